@@ -1,0 +1,24 @@
+// Stand-ins for the CUDA backend in a build without a CUDA compiler: every entry point
+// raises a clear error, so a CPU-only build links and reports what is missing.
+#include "params.h"
+
+namespace flashmsa {
+
+bool cuda_backend_built() { return false; }
+
+namespace cuda {
+namespace {
+[[noreturn]] void unavailable() {
+  throw Error("flashmsa: this build has no CUDA backend (configured without nvcc)");
+}
+}  // namespace
+void select_blocks(const MsaParams&, void*) { unavailable(); }
+void sparse_attention_forward(const MsaParams&, void*) { unavailable(); }
+void fused_backward(const MsaParams&, void*) { unavailable(); }
+void dense_warmup_forward(const MsaParams&, void*) { unavailable(); }
+void dense_warmup_backward(const MsaParams&, void*) { unavailable(); }
+bool device_available() { return false; }
+void copy_to_host(void*, const void*, int64_t, int) { unavailable(); }
+}  // namespace cuda
+
+}  // namespace flashmsa
