@@ -1,0 +1,523 @@
+// Bad arguments: every public entry point must throw flashmsa::Error naming the argument, and
+// must not have written any output (all outputs hold a sentinel byte pattern before the call
+// and are compared after).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "test_util.h"
+
+namespace {
+
+using flashmsa::Device;
+using flashmsa::DType;
+using flashmsa::Mode;
+using flashmsa::TensorView;
+using msatest::HostTensor;
+
+enum class Op { select, sparse_fwd, fused_bwd, warm_fwd, warm_bwd, msa_fwd, msa_bwd, msa_fwd_warm, msa_bwd_warm };
+
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::select: return "select_blocks";
+    case Op::sparse_fwd: return "sparse_attention_forward";
+    case Op::fused_bwd: return "fused_backward";
+    case Op::warm_fwd: return "dense_warmup_forward";
+    case Op::warm_bwd: return "dense_warmup_backward";
+    case Op::msa_fwd: return "msa_forward(sparse)";
+    case Op::msa_bwd: return "msa_backward(sparse)";
+    case Op::msa_fwd_warm: return "msa_forward(warmup)";
+    case Op::msa_bwd_warm: return "msa_backward(warmup)";
+  }
+  return "?";
+}
+
+const std::vector<Op> kAll = {Op::select,   Op::sparse_fwd, Op::fused_bwd,    Op::warm_fwd,   Op::warm_bwd,
+                              Op::msa_fwd,  Op::msa_bwd,    Op::msa_fwd_warm, Op::msa_bwd_warm};
+// Operations that take block_idx.
+const std::vector<Op> kWithIndex = {Op::select, Op::sparse_fwd, Op::fused_bwd, Op::msa_fwd, Op::msa_bwd};
+// Operations that take o and lse (as outputs or as saved forward results) and kl.
+const std::vector<Op> kWithOutputs = {Op::sparse_fwd, Op::fused_bwd, Op::warm_fwd, Op::warm_bwd,
+                                      Op::msa_fwd,    Op::msa_bwd,   Op::msa_fwd_warm, Op::msa_bwd_warm};
+// Backward operations (d_o, kl_grad, gradients).
+const std::vector<Op> kBackward = {Op::fused_bwd, Op::warm_bwd, Op::msa_bwd, Op::msa_bwd_warm};
+
+constexpr unsigned char kSentinel = 0xA5;
+
+// A valid small fp32 problem with every output allocated; tests mutate one view at a time.
+class BadInput : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    c_.heads = {4, 2, 2, 1, 8, 8, 4};
+    c_.lengths = {20, 13};
+    c_.opt.block_size = 8;
+    c_.opt.top_k = 2;
+    c_.seed = 300;
+    pr_ = msatest::make_problem(c_);
+    T_ = pr_.cfg.T();
+    const auto& h = c_.heads;
+    block_idx_ = HostTensor(DType::int32, {h.Hp, T_, 2});
+    o_ = HostTensor(DType::fp32, {T_, h.H, h.Dv});
+    lse_ = HostTensor(DType::fp32, {h.H, T_});
+    kl_ = HostTensor(DType::fp32, {1});
+    kl_b_ = HostTensor(DType::fp32, {1});
+    dq_ = HostTensor(DType::fp32, {T_, h.H, h.D});
+    dk_ = HostTensor(DType::fp32, {T_, h.Hkv, h.D});
+    dv_ = HostTensor(DType::fp32, {T_, h.Hkv, h.Dv});
+    dqp_ = HostTensor(DType::fp32, {T_, h.Hp, h.Dp});
+    dkp_ = HostTensor(DType::fp32, {T_, h.Hpk, h.Dp});
+    // Mutated input views point here so a missed check cannot read out of bounds.
+    scratch_.assign(1 << 16, 0.25f);
+    in_ = pr_.views();
+    opt_ = c_.opt;
+    idx_v_ = block_idx_.view();
+    o_v_ = o_.view();
+    lse_v_ = lse_.view();
+    kl_v_ = kl_.view();
+    kl_b_v_ = kl_b_.view();
+    d_o_v_ = pr_.d_o_t.view();
+    kl_grad_v_ = pr_.kl_grad.view();
+    grads_ = {dq_.view(), dk_.view(), dv_.view(), dqp_.view(), dkp_.view()};
+  }
+
+  std::vector<HostTensor*> outputs() {
+    return {&block_idx_, &o_, &lse_, &kl_, &kl_b_, &dq_, &dk_, &dv_, &dqp_, &dkp_};
+  }
+
+  void call(Op op) {
+    flashmsa::Options opt = opt_;
+    switch (op) {
+      case Op::select: flashmsa::select_blocks(in_, opt, idx_v_); break;
+      case Op::sparse_fwd: flashmsa::sparse_attention_forward(in_, idx_v_, opt, o_v_, lse_v_, kl_v_); break;
+      case Op::fused_bwd:
+        flashmsa::fused_backward(in_, idx_v_, o_v_, lse_v_, d_o_v_, kl_grad_v_, opt, grads_, kl_b_v_);
+        break;
+      case Op::warm_fwd: flashmsa::dense_warmup_forward(in_, opt, o_v_, lse_v_, kl_v_); break;
+      case Op::warm_bwd:
+        flashmsa::dense_warmup_backward(in_, o_v_, lse_v_, d_o_v_, kl_grad_v_, opt, grads_, kl_b_v_);
+        break;
+      case Op::msa_fwd:
+        opt.mode = Mode::sparse;
+        flashmsa::msa_forward(in_, opt, idx_v_, o_v_, lse_v_, kl_v_);
+        break;
+      case Op::msa_bwd:
+        opt.mode = Mode::sparse;
+        flashmsa::msa_backward(in_, idx_v_, o_v_, lse_v_, d_o_v_, kl_grad_v_, opt, grads_, kl_b_v_);
+        break;
+      case Op::msa_fwd_warm:
+        opt.mode = Mode::warmup;
+        flashmsa::msa_forward(in_, opt, TensorView(), o_v_, lse_v_, kl_v_);
+        break;
+      case Op::msa_bwd_warm:
+        opt.mode = Mode::warmup;
+        flashmsa::msa_backward(in_, TensorView(), o_v_, lse_v_, d_o_v_, kl_grad_v_, opt, grads_, kl_b_v_);
+        break;
+    }
+  }
+
+  // Every op of `ops` must throw flashmsa::Error whose message contains one of `names`, with
+  // all outputs untouched.
+  void expect_rejected(const std::vector<Op>& ops, std::initializer_list<const char*> names) {
+    for (Op op : ops) {
+      SCOPED_TRACE(op_name(op));
+      for (HostTensor* t : outputs()) t->fill_bytes(kSentinel);
+      try {
+        call(op);
+        ADD_FAILURE() << "no error raised";
+      } catch (const flashmsa::Error& e) {
+        const std::string msg = e.what();
+        bool named = false;
+        for (const char* n : names) named |= msg.find(n) != std::string::npos;
+        EXPECT_TRUE(named) << "message does not name the argument (" << *names.begin() << "): " << msg;
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "threw something other than flashmsa::Error: " << e.what();
+      }
+      const char* labels[] = {"block_idx", "o", "lse", "kl", "kl(backward)", "dq", "dk", "dv", "dqp", "dkp"};
+      int i = 0;
+      for (HostTensor* t : outputs()) {
+        bool untouched = true;
+        for (unsigned char b : t->bytes()) untouched &= b == kSentinel;
+        EXPECT_TRUE(untouched) << "output '" << labels[i] << "' was written before the error";
+        ++i;
+      }
+    }
+  }
+  void expect_rejected(const std::vector<Op>& ops, const char* name) { expect_rejected(ops, {name}); }
+
+  // A view of the scratch buffer with the given shape (contiguous) and dtype.
+  TensorView scratch_view(std::initializer_list<int64_t> shape, DType dtype = DType::fp32) {
+    return flashmsa::make_view(scratch_.data(), dtype, shape);
+  }
+  TensorView cu_view(std::vector<int32_t> values) {
+    cu_store_ = std::move(values);
+    return flashmsa::make_view(cu_store_.data(), DType::int32, {static_cast<int64_t>(cu_store_.size())});
+  }
+
+  msatest::Case c_;
+  msatest::Problem pr_;
+  int64_t T_ = 0;
+  HostTensor block_idx_, o_, lse_, kl_, kl_b_, dq_, dk_, dv_, dqp_, dkp_;
+  std::vector<float> scratch_;
+  std::vector<int32_t> cu_store_;
+  flashmsa::AttentionInputs in_;
+  flashmsa::Options opt_;
+  TensorView idx_v_, o_v_, lse_v_, kl_v_, kl_b_v_, d_o_v_, kl_grad_v_;
+  flashmsa::Gradients grads_;
+};
+
+// The unmodified problem is accepted by every entry point (so each failure below is caused by
+// its one mutation). Needs the CPU backend.
+TEST_F(BadInput, BaselineIsAccepted) {
+  for (Op op : kAll) {
+    // kAll's order makes each backward see the block_idx, o and lse of the forward before it.
+    SCOPED_TRACE(op_name(op));
+    EXPECT_NO_THROW(call(op));
+  }
+}
+
+// ---- shapes of the five inputs ----
+
+TEST_F(BadInput, WrongRankOfEachInput) {
+  const auto& h = c_.heads;
+  in_.q = scratch_view({T_, h.H * h.D});
+  expect_rejected(kAll, "'q'");
+  SetUp();
+  in_.k = scratch_view({T_, h.Hkv, h.D, 1});
+  expect_rejected(kAll, "'k'");
+  SetUp();
+  in_.v = scratch_view({T_ * h.Hkv * h.Dv});
+  expect_rejected(kAll, "'v'");
+  SetUp();
+  in_.qp = scratch_view({T_, h.Hp});
+  expect_rejected(kAll, "'qp'");
+  SetUp();
+  in_.kp = scratch_view({1, T_, h.Hpk, h.Dp});
+  expect_rejected(kAll, "'kp'");
+}
+
+TEST_F(BadInput, WrongTokenCount) {
+  const auto& h = c_.heads;
+  in_.k = scratch_view({T_ - 1, h.Hkv, h.D});
+  expect_rejected(kAll, "'k'");
+  SetUp();
+  in_.v = scratch_view({T_ + 1, h.Hkv, h.Dv});
+  expect_rejected(kAll, "'v'");
+  SetUp();
+  in_.qp = scratch_view({T_ - 1, h.Hp, h.Dp});
+  expect_rejected(kAll, "'qp'");
+  SetUp();
+  in_.kp = scratch_view({T_ + 3, h.Hpk, h.Dp});
+  expect_rejected(kAll, "'kp'");
+  SetUp();
+  // q defines T, so a wrong q is reported against the first tensor that disagrees with it.
+  in_.q = scratch_view({T_ + 1, h.H, h.D});
+  expect_rejected(kAll, {"'q'", "'k'"});
+}
+
+TEST_F(BadInput, WrongHeadDims) {
+  const auto& h = c_.heads;
+  in_.k = scratch_view({T_, h.Hkv, h.D + 1});
+  expect_rejected(kAll, "'k'");
+  SetUp();
+  in_.v = scratch_view({T_, h.Hkv + 1, h.Dv});  // v heads must match k heads
+  expect_rejected(kAll, "'v'");
+  SetUp();
+  in_.kp = scratch_view({T_, h.Hpk, h.Dp + 2});
+  expect_rejected(kAll, "'kp'");
+  SetUp();
+  in_.q = scratch_view({T_, h.H, h.D + 1});  // D from q disagrees with k
+  expect_rejected(kAll, {"'q'", "'k'"});
+}
+
+TEST_F(BadInput, BadHeadRatios) {
+  const auto& h = c_.heads;
+  in_.k = scratch_view({T_, 3, h.D});  // H = 4 not a multiple of Hkv = 3
+  in_.v = scratch_view({T_, 3, h.Dv});
+  expect_rejected(kAll, "'k'");
+  SetUp();
+  in_.qp = scratch_view({T_, 3, h.Dp});  // H % Hp
+  expect_rejected(kAll, "'qp'");
+  SetUp();
+  in_.kp = scratch_view({T_, 3, h.Dp});  // Hp = 2 not a multiple of Hpk = 3
+  expect_rejected(kAll, "'kp'");
+  SetUp();
+  in_.k = scratch_view({T_, 8, h.D});  // Hkv > H
+  in_.v = scratch_view({T_, 8, h.Dv});
+  expect_rejected(kAll, "'k'");
+}
+
+// ---- dtypes ----
+
+TEST_F(BadInput, DtypeMismatch) {
+  in_.k.dtype = DType::fp16;
+  expect_rejected(kAll, "'k'");
+  SetUp();
+  in_.v.dtype = DType::bf16;
+  expect_rejected(kAll, "'v'");
+  SetUp();
+  in_.qp.dtype = DType::bf16;
+  expect_rejected(kAll, "'qp'");
+  SetUp();
+  in_.kp.dtype = DType::int32;
+  expect_rejected(kAll, "'kp'");
+  SetUp();
+  in_.q.dtype = DType::int32;
+  expect_rejected(kAll, "'q'");
+  SetUp();
+  o_v_.dtype = DType::bf16;
+  expect_rejected(kWithOutputs, "'o'");
+  SetUp();
+  d_o_v_.dtype = DType::fp16;
+  expect_rejected(kBackward, "'d_o'");
+  SetUp();
+  grads_.dq.dtype = DType::bf16;
+  expect_rejected(kBackward, "'dq'");
+  SetUp();
+  grads_.dkp.dtype = DType::int32;
+  expect_rejected(kBackward, "'dkp'");
+  SetUp();
+  idx_v_.dtype = DType::fp32;
+  expect_rejected(kWithIndex, "'block_idx'");
+}
+
+// ---- cu_seqlens ----
+
+TEST_F(BadInput, CuSeqlensNotStartingAtZero) {
+  in_.cu_seqlens = cu_view({1, 20, static_cast<int32_t>(T_)});
+  expect_rejected(kAll, "'cu_seqlens'");
+}
+
+TEST_F(BadInput, CuSeqlensDecreasing) {
+  in_.cu_seqlens = cu_view({0, 21, 13, static_cast<int32_t>(T_)});
+  expect_rejected(kAll, "'cu_seqlens'");
+}
+
+TEST_F(BadInput, CuSeqlensNotEndingAtT) {
+  in_.cu_seqlens = cu_view({0, 20, static_cast<int32_t>(T_ - 1)});
+  expect_rejected(kAll, "'cu_seqlens'");
+  SetUp();
+  in_.cu_seqlens = cu_view({0, 20, static_cast<int32_t>(T_ + 1)});
+  expect_rejected(kAll, "'cu_seqlens'");
+}
+
+TEST_F(BadInput, CuSeqlensWrongDtypeOrShape) {
+  in_.cu_seqlens.dtype = DType::fp32;
+  expect_rejected(kAll, "'cu_seqlens'");
+  SetUp();
+  in_.cu_seqlens = flashmsa::make_view(pr_.cu.data(), DType::int32, {1, 3});
+  expect_rejected(kAll, "'cu_seqlens'");
+  SetUp();
+  in_.cu_seqlens = flashmsa::make_view(pr_.cu.data(), DType::int32, {0});
+  expect_rejected(kAll, "'cu_seqlens'");
+  SetUp();
+  in_.cu_seqlens = TensorView();
+  expect_rejected(kAll, "'cu_seqlens'");
+}
+
+// ---- options ----
+
+TEST_F(BadInput, BadOptions) {
+  opt_.top_k = 0;
+  expect_rejected(kAll, "top_k");
+  SetUp();
+  opt_.top_k = -3;
+  expect_rejected(kAll, "top_k");
+  SetUp();
+  opt_.local_blocks = 3;  // > K = 2
+  expect_rejected(kAll, "local_blocks");
+  SetUp();
+  opt_.local_blocks = 0;
+  expect_rejected(kAll, "local_blocks");
+  SetUp();
+  opt_.block_size = 0;
+  expect_rejected(kAll, "block_size");
+  SetUp();
+  opt_.num_threads = -1;
+  expect_rejected(kAll, "num_threads");
+  SetUp();
+  opt_.scale = std::numeric_limits<float>::quiet_NaN();
+  expect_rejected(kAll, "scale");
+  SetUp();
+  opt_.kl_coeff = std::numeric_limits<float>::infinity();
+  expect_rejected(kAll, "kl_coeff");
+}
+
+// ---- layout ----
+
+TEST_F(BadInput, NonContiguousTensors) {
+  const auto& h = c_.heads;
+  // q with a padded row stride (as a slice of a wider tensor would have).
+  in_.q = scratch_view({T_, h.H, h.D});
+  in_.q.stride[1] = h.D + 1;
+  in_.q.stride[0] = h.H * (h.D + 1);
+  expect_rejected(kAll, "'q'");
+  SetUp();
+  std::swap(in_.k.stride[0], in_.k.stride[1]);  // a transposed view
+  expect_rejected(kAll, "'k'");
+  SetUp();
+  in_.v.stride[2] = 2;
+  expect_rejected(kAll, "'v'");
+  SetUp();
+  in_.qp.stride[0] *= 2;
+  expect_rejected(kAll, "'qp'");
+  SetUp();
+  in_.kp.stride[2] = 0;  // a broadcast view
+  expect_rejected(kAll, "'kp'");
+  SetUp();
+  // Outputs: a [T, H, Dv] view over head-major memory (same buffer, same size).
+  o_v_.stride[0] = h.Dv;
+  o_v_.stride[1] = T_ * h.Dv;
+  expect_rejected(kWithOutputs, "'o'");
+  SetUp();
+  std::swap(grads_.dq.stride[0], grads_.dq.stride[1]);
+  expect_rejected(kBackward, "'dq'");
+  SetUp();
+  std::swap(idx_v_.stride[0], idx_v_.stride[1]);
+  expect_rejected(kWithIndex, "'block_idx'");
+}
+
+TEST_F(BadInput, NullDataPointer) {
+  in_.q.data = nullptr;
+  expect_rejected(kAll, "'q'");
+  SetUp();
+  o_v_.data = nullptr;
+  expect_rejected(kWithOutputs, "'o'");
+}
+
+// ---- outputs and saved tensors ----
+
+TEST_F(BadInput, MissingArguments) {
+  in_.q = TensorView();
+  expect_rejected(kAll, "'q'");
+  SetUp();
+  in_.kp = TensorView();
+  expect_rejected(kAll, "'kp'");
+  SetUp();
+  o_v_ = TensorView();
+  expect_rejected(kWithOutputs, "'o'");
+  SetUp();
+  lse_v_ = TensorView();
+  expect_rejected(kWithOutputs, "'lse'");
+  SetUp();
+  idx_v_ = TensorView();
+  expect_rejected(kWithIndex, "'block_idx'");
+  SetUp();
+  d_o_v_ = TensorView();
+  expect_rejected(kBackward, "'d_o'");
+  const char* names[] = {"'dq'", "'dk'", "'dv'", "'dqp'", "'dkp'"};
+  TensorView flashmsa::Gradients::*fields[] = {&flashmsa::Gradients::dq, &flashmsa::Gradients::dk,
+                                               &flashmsa::Gradients::dv, &flashmsa::Gradients::dqp,
+                                               &flashmsa::Gradients::dkp};
+  for (int i = 0; i < 5; ++i) {
+    SetUp();
+    grads_.*fields[i] = TensorView();
+    expect_rejected(kBackward, names[i]);
+  }
+}
+
+TEST_F(BadInput, WrongLseShapeOrDtype) {
+  const auto& h = c_.heads;
+  lse_v_ = flashmsa::make_view(lse_.data(), DType::fp32, {T_, h.H});  // token-major instead of [H, T]
+  expect_rejected(kWithOutputs, "'lse'");
+  SetUp();
+  lse_v_.dtype = DType::bf16;
+  expect_rejected(kWithOutputs, "'lse'");
+  SetUp();
+  lse_v_ = flashmsa::make_view(lse_.data(), DType::fp32, {h.H * T_});
+  expect_rejected(kWithOutputs, "'lse'");
+}
+
+TEST_F(BadInput, WrongShapesOfOtherArguments) {
+  const auto& h = c_.heads;
+  o_v_ = flashmsa::make_view(o_.data(), DType::fp32, {T_, h.H * h.Dv, 1});
+  expect_rejected(kWithOutputs, "'o'");
+  SetUp();
+  idx_v_ = flashmsa::make_view(block_idx_.data(), DType::int32, {h.Hp, T_, 1});  // K - 1
+  expect_rejected(kWithIndex, "'block_idx'");
+  SetUp();
+  idx_v_ = flashmsa::make_view(block_idx_.data(), DType::int32, {T_, h.Hp, 2});  // token-major
+  expect_rejected(kWithIndex, "'block_idx'");
+  SetUp();
+  kl_v_ = flashmsa::make_view(lse_.data(), DType::fp32, {2});
+  expect_rejected({Op::sparse_fwd, Op::warm_fwd, Op::msa_fwd, Op::msa_fwd_warm}, "'kl'");
+  SetUp();
+  kl_b_v_.dtype = DType::int32;
+  expect_rejected(kBackward, "'kl'");
+  SetUp();
+  kl_grad_v_.dtype = DType::bf16;
+  expect_rejected(kBackward, "'kl_grad'");
+  SetUp();
+  kl_grad_v_ = flashmsa::make_view(scratch_.data(), DType::fp32, {1, 1});
+  expect_rejected(kBackward, "'kl_grad'");
+  SetUp();
+  d_o_v_ = flashmsa::make_view(scratch_.data(), DType::fp32, {T_, h.H, h.Dv + 1});
+  expect_rejected(kBackward, "'d_o'");
+  SetUp();
+  grads_.dk = flashmsa::make_view(dk_.data(), DType::fp32, {T_, h.Hkv, h.D - 1});
+  expect_rejected(kBackward, "'dk'");
+  SetUp();
+  grads_.dv = flashmsa::make_view(dv_.data(), DType::fp32, {T_ - 1, h.Hkv, h.Dv});
+  expect_rejected(kBackward, "'dv'");
+  SetUp();
+  grads_.dqp = flashmsa::make_view(dqp_.data(), DType::fp32, {T_, h.Hp * h.Dp});
+  expect_rejected(kBackward, "'dqp'");
+}
+
+TEST_F(BadInput, MixedDevices) {
+  in_.k.device = Device::cuda;
+  expect_rejected(kAll, {"'k'", "CUDA"});
+  SetUp();
+  o_v_.device = Device::cuda;
+  expect_rejected(kWithOutputs, {"'o'", "CUDA"});
+}
+
+// A CUDA device requested where there is none (CPU-only build, or no usable GPU): a clear
+// flashmsa::Error, no crash, nothing written. The pointers are host memory, so any attempt to
+// run a kernel or copy would be caught by the sentinel check or crash the test.
+TEST_F(BadInput, CudaDeviceWithoutCuda) {
+  if (flashmsa::cuda_device_available()) GTEST_SKIP() << "a CUDA device is present (tests/gpu covers it)";
+  // bf16, BLK 128, head dims 64 so a CUDA build gets past its support check to the device.
+  msatest::Case c;
+  c.heads = {2, 1, 1, 1, 64, 64, 64};
+  c.lengths = {5};
+  c.dtype = DType::bf16;
+  c.opt.block_size = 128;
+  c.opt.top_k = 2;
+  pr_ = msatest::make_problem(c);
+  c_ = c;
+  const int64_t T = 5;
+  block_idx_ = HostTensor(DType::int32, {1, T, 2});
+  o_ = HostTensor(DType::bf16, {T, 2, 64});
+  lse_ = HostTensor(DType::fp32, {2, T});
+  dq_ = HostTensor(DType::bf16, {T, 2, 64});
+  dk_ = HostTensor(DType::bf16, {T, 1, 64});
+  dv_ = HostTensor(DType::bf16, {T, 1, 64});
+  dqp_ = HostTensor(DType::bf16, {T, 1, 64});
+  dkp_ = HostTensor(DType::bf16, {T, 1, 64});
+  in_ = pr_.views();
+  opt_ = c.opt;
+  idx_v_ = block_idx_.view();
+  o_v_ = o_.view();
+  lse_v_ = lse_.view();
+  kl_v_ = kl_.view();
+  kl_b_v_ = kl_b_.view();
+  d_o_v_ = pr_.d_o_t.view();
+  kl_grad_v_ = pr_.kl_grad.view();
+  grads_ = {dq_.view(), dk_.view(), dv_.view(), dqp_.view(), dkp_.view()};
+  for (TensorView* v : {&in_.q, &in_.k, &in_.v, &in_.qp, &in_.kp, &in_.cu_seqlens, &idx_v_, &o_v_,
+                        &lse_v_, &kl_v_, &kl_b_v_, &d_o_v_, &kl_grad_v_, &grads_.dq, &grads_.dk,
+                        &grads_.dv, &grads_.dqp, &grads_.dkp})
+    v->device = Device::cuda;
+  // Any message will do as long as it is a flashmsa::Error; "CUDA" or "cuda" appears in both
+  // the no-backend and the no-device messages.
+  expect_rejected(kAll, {"CUDA", "cuda"});
+  // The same with a host copy of cu_seqlens (skips the device-to-host validation copy).
+  in_.cu_seqlens_host = pr_.cfg.cu_seqlens.data();
+  expect_rejected(kAll, {"CUDA", "cuda"});
+}
+
+}  // namespace
