@@ -1,0 +1,257 @@
+"""GPU benchmark of flashmsa against the peers a user would pick instead (performance.md).
+
+All in one process, on the same shapes and inputs (iid N(0,1) bf16, B=1):
+  * flashmsa: training step = selection + sparse forward (+ KL value) + fused backward,
+    through the PyTorch ops (torch.ops.flashmsa.forward / backward);
+  * dense causal GQA attention through PyTorch SDPA, cuDNN backend, forward and forward+backward;
+  * FlexAttention (torch.compile'd) with a BlockMask built from the SAME per-token selection
+    flashmsa made (union of each 128-query tile's blocks + a mask_mod reading the per-token
+    selection), only at sizes where it finishes in reasonable time;
+  * the ideal time = msa.md FLOPs / the bf16 matmul rate measured in this run.
+Times: CUDA events, median of >= 10 runs after warm-up. Writes JSON (commit, date, card, figures)
+and prints a short table last. bench/plot.py turns the JSON into PNG plots.
+
+Usage: python bench/bench_gpu.py --out bench/results/run.json [--configs m3,gqa8,fm16k] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+import flashmsa  # noqa: E402
+
+CONFIGS = {
+    #        H   Hkv Hp Hpk  D   K   BLK  sequence lengths
+    "m3": (64, 4, 4, 1, 128, 16, 128, [8192, 32768, 65536, 131072]),
+    "gqa8": (32, 4, 4, 1, 128, 16, 128, [16384, 65536]),
+    "fm16k": (16, 2, 4, 1, 128, 16, 128, [16384]),
+}
+FLEX_MAX_S = 32768     # FlexAttention per-token: ~0.45 s fwd+bwd at m3/32k, minutes beyond
+DENSE_MAX_S = 65536    # dense cuDNN fwd+bwd at m3/64k ~ 0.45 s; 128k would be ~1.8 s a run
+
+
+def git_commit() -> str:
+    try:
+        root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+        return subprocess.check_output(["git", "-C", root, "rev-parse", "HEAD"], text=True).strip()
+    except Exception:
+        return os.environ.get("FLASHMSA_COMMIT", "unknown")
+
+
+def bench_ms(fn, iters: int = 10, warmup: int = 2) -> float:
+    """Median milliseconds of fn() over `iters` runs, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def matmul_ceiling_tflops() -> float:
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = bench_ms(lambda: a @ b, iters=20, warmup=5)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def sel_per_head(block_idx: torch.Tensor, S: int, blk: int) -> float:
+    """sum over t of |J|, averaged over proxy heads (msa.md FLOP accounting)."""
+    t = torch.arange(S, device=block_idx.device)
+    n_loc = (t // blk)[None, :, None]
+    valid = block_idx >= 0
+    local = block_idx == n_loc
+    keys = torch.where(local, (t % blk + 1)[None, :, None], torch.full_like(block_idx, blk))
+    return float((keys * valid).sum().item()) / block_idx.shape[0]
+
+
+def flops(cfg, S: int, sel: float) -> dict:
+    H, Hkv, Hp, Hpk, D, K, BLK = cfg
+    pairs = S * (S + 1) / 2
+    return {
+        "select": 2 * D * Hp * pairs,
+        "forward": 2 * (D + D) * H * sel,
+        "backward": 2 * (3 * D + 2 * D) * H * sel + 2 * (D * H + 3 * D * Hp) * sel,
+        "dense_fwd": 2 * (D + D) * H * pairs,
+        "dense_fwdbwd": (2 * (D + D) + 2 * (3 * D + 2 * D)) * H * pairs,
+    }
+
+
+def flashmsa_step(q, k, v, qp, kp, cu, cu_host, K, BLK, d_o):
+    scale, pscale = q.shape[-1] ** -0.5, qp.shape[-1] ** -0.5
+    args = dict(block_size=BLK, top_k=K, local_blocks=1, scale=scale, proxy_scale=pscale,
+                kl_coeff=1.0, mode="sparse", deterministic=False)
+
+    def fwd():
+        return torch.ops.flashmsa.forward(q, k, v, qp, kp, cu, cu_host, **args)
+
+    def step():
+        o, lse, idx, kl = fwd()
+        g = torch.ones((), device=q.device, dtype=torch.float32)
+        grads = torch.ops.flashmsa.backward(q, k, v, qp, kp, cu, cu_host, idx, o, lse, d_o, g, **args)
+        return kl, grads
+
+    return fwd, step
+
+
+def flex_peer(q, k, v, block_idx, BLK, m):
+    """FlexAttention with a BlockMask from flashmsa's own per-token selection."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    Hp, S, K = block_idx.shape
+    H = q.shape[1]
+    nb = (S + BLK - 1) // BLK
+    # sel[p, t, n]: token t of proxy head p selected block n.
+    sel = torch.zeros(Hp, S, nb, dtype=torch.bool, device=q.device)
+    sel.scatter_(2, block_idx.clamp(min=0).long(), block_idx >= 0)
+    tile_union = sel.view(Hp, nb, BLK, nb).any(dim=2) if S % BLK == 0 else None
+    assert tile_union is not None, "benchmark shapes are multiples of 128"
+    head_union = tile_union.repeat_interleave(m, dim=0)  # [H, q tiles, kv blocks]
+    kv_num = head_union.sum(-1).to(torch.int32)[None]
+    kv_idx = torch.argsort(head_union.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)[None]
+
+    def mask_mod(b, h, q_idx, kv_idx_):
+        return (kv_idx_ <= q_idx) & sel[h // m, q_idx, kv_idx_ // BLK]
+
+    block_mask = BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=BLK, mask_mod=mask_mod,
+                                          seq_lengths=(S, S))
+    flex = torch.compile(flex_attention, dynamic=False)
+    qt, kt, vt = (x.transpose(0, 1)[None].detach() for x in (q, k, v))  # [1, heads, S, D]
+
+    def fwd():
+        return flex(qt, kt, vt, block_mask=block_mask, enable_gqa=True)
+
+    return fwd, (qt, kt, vt), head_union.sum().item() / (H * nb)
+
+
+def sdpa_cudnn(q, k, v):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qt, kt, vt = (x.transpose(0, 1)[None].detach() for x in (q, k, v))
+
+    def fwd():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+
+    return fwd, (qt, kt, vt)
+
+
+def fwd_bwd(fwd, leaves, d_o_like):
+    def run():
+        for x in leaves:
+            x.grad = None
+        out = fwd()
+        out.backward(d_o_like)
+    return run
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--configs", default="m3,gqa8,fm16k")
+    ap.add_argument("--quick", action="store_true", help="smallest size of each config only")
+    ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    card = torch.cuda.get_device_name()
+    ceiling = matmul_ceiling_tflops()
+    print(f"card {card}; bf16 matmul 8192^3 ceiling {ceiling:.0f} TFLOP/s", flush=True)
+    results = {"commit": git_commit(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+               "card": card, "torch": torch.__version__, "ceiling_tflops": ceiling, "runs": []}
+    rows = []
+    for name in args.configs.split(","):
+        H, Hkv, Hp, Hpk, D, K, BLK, sizes = CONFIGS[name]
+        cfg = (H, Hkv, Hp, Hpk, D, K, BLK)
+        for S in sizes[:1] if args.quick else sizes:
+            torch.cuda.empty_cache()
+            bf = torch.bfloat16
+            q = torch.randn(S, H, D, device="cuda", dtype=bf)
+            k = torch.randn(S, Hkv, D, device="cuda", dtype=bf)
+            v = torch.randn(S, Hkv, D, device="cuda", dtype=bf)
+            qp = torch.randn(S, Hp, D, device="cuda", dtype=bf)
+            kp = torch.randn(S, Hpk, D, device="cuda", dtype=bf)
+            d_o = torch.randn(S, H, D, device="cuda", dtype=bf)
+            cu = torch.tensor([0, S], device="cuda", dtype=torch.int32)
+            cu_host = cu.cpu()
+            run = {"config": name, "S": S, "H": H, "Hkv": Hkv, "Hp": Hp, "Hpk": Hpk, "D": D, "K": K, "BLK": BLK}
+            fwd, step = flashmsa_step(q, k, v, qp, kp, cu, cu_host, K, BLK, d_o)
+            o, lse, idx, kl = fwd()
+            sel = sel_per_head(idx, S, BLK)
+            fl = flops(cfg, S, sel)
+            run["sel_per_head"] = sel
+            run["kl_loss"] = float(kl.item())
+            torch.cuda.reset_peak_memory_stats()
+            run["flashmsa_fwd_ms"] = bench_ms(fwd, args.iters)
+            run["flashmsa_step_ms"] = bench_ms(step, args.iters)
+            run["flashmsa_bwd_ms"] = run["flashmsa_step_ms"] - run["flashmsa_fwd_ms"]
+            step_flop = fl["select"] + fl["forward"] + fl["backward"]
+            run["flop"] = fl
+            run["ideal_step_ms"] = step_flop / (ceiling * 1e12) * 1e3
+            run["flashmsa_step_tflops"] = step_flop / (run["flashmsa_step_ms"] * 1e-3) / 1e12
+            run["flashmsa_step_frac_ceiling"] = run["flashmsa_step_tflops"] / ceiling
+            print(f"{name} S={S}: flashmsa fwd(sel+fwd+kl) {run['flashmsa_fwd_ms']:.2f} ms, step "
+                  f"{run['flashmsa_step_ms']:.2f} ms ({run['flashmsa_step_tflops']:.0f} TFLOP/s), ideal "
+                  f"{run['ideal_step_ms']:.2f} ms", flush=True)
+            if not args.no_peers and S <= DENSE_MAX_S:
+                f, leaves = sdpa_cudnn(q, k, v)
+                run["cudnn_fwd_ms"] = bench_ms(f, args.iters)
+                for x in leaves:
+                    x.requires_grad_(True)
+                do_t = d_o.transpose(0, 1)[None]
+                run["cudnn_fwdbwd_ms"] = bench_ms(fwd_bwd(f, leaves, do_t), args.iters)
+                print(f"   cuDNN dense fwd {run['cudnn_fwd_ms']:.2f} ms, fwd+bwd {run['cudnn_fwdbwd_ms']:.2f} ms", flush=True)
+                del leaves, f
+            if not args.no_peers and S <= FLEX_MAX_S:
+                try:
+                    f, leaves, density = flex_peer(q, k, v, idx, BLK, H // Hp)
+                    run["flex_union_density"] = density
+                    run["flex_fwd_ms"] = bench_ms(f, max(3, args.iters // 2) if S > 16384 else args.iters)
+                    for x in leaves:
+                        x.requires_grad_(True)
+                    do_t = d_o.transpose(0, 1)[None]
+                    run["flex_fwdbwd_ms"] = bench_ms(fwd_bwd(f, leaves, do_t), max(3, args.iters // 2) if S > 16384 else args.iters)
+                    print(f"   Flex per-token fwd {run['flex_fwd_ms']:.2f} ms, fwd+bwd {run['flex_fwdbwd_ms']:.2f} ms "
+                          f"(tile-union density {density:.2f})", flush=True)
+                    del leaves, f
+                except Exception as e:  # report, keep going
+                    run["flex_error"] = repr(e)[:300]
+                    print(f"   Flex failed: {e!r}"[:300], flush=True)
+            results["runs"].append(run)
+            rows.append(run)
+            del q, k, v, qp, kp, d_o, o, lse, idx
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as fh:
+                json.dump(results, fh, indent=1)
+
+    print(f"\n{'config':6} {'S':>7} {'step ms':>9} {'TFLOP/s':>8} {'%ceil':>6} {'ideal':>7} "
+          f"{'cuDNN f+b':>10} {'x':>6} {'Flex f+b':>9} {'x':>6}")
+    for r in rows:
+        cd, fx = r.get("cudnn_fwdbwd_ms"), r.get("flex_fwdbwd_ms")
+        print(f"{r['config']:6} {r['S']:>7} {r['flashmsa_step_ms']:>9.2f} {r['flashmsa_step_tflops']:>8.0f} "
+              f"{100 * r['flashmsa_step_frac_ceiling']:>5.0f}% {r['ideal_step_ms']:>7.2f} "
+              f"{cd if cd else float('nan'):>10.1f} {cd / r['flashmsa_step_ms'] if cd else float('nan'):>6.1f} "
+              f"{fx if fx else float('nan'):>9.1f} {fx / r['flashmsa_step_ms'] if fx else float('nan'):>6.1f}")
+    print(f"ceiling {ceiling:.0f} TFLOP/s on {card}; JSON: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

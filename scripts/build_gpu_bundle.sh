@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Builds, on this (GPU-less) machine, everything scripts/gpu_check.sh runs on the H200, for sm_90a,
+# and copies the binaries into scratch-gpu/ (git-ignored via .git/info/exclude) to be carried.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD=${BUILD_DIR:-build-gpu}
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHMSA_BUILD_PYTHON=ON >/dev/null
+cmake --build "$BUILD" -j"$(nproc)" --target flashmsa_gpu_tests flashmsa_run flashmsa_torch
+mkdir -p scratch-gpu
+cp "$BUILD"/tests/gpu/flashmsa_gpu_tests "$BUILD"/apps/flashmsa_run "$BUILD"/python/_C*.so scratch-gpu/
+strip --strip-debug scratch-gpu/* 2>/dev/null || true
+du -sh scratch-gpu
