@@ -1,9 +1,523 @@
-// Placeholder until the kernel lands: raises a clear error instead of computing anything.
+// Block-sparse main attention forward (msa.md step 5) and the proxy distillation loss (step 6).
+//
+// Query-major: one warp (= one CTA) owns one token and up to 16 main heads that share its proxy
+// head (hence its selection) and one kv head: those heads are the 16 MMA rows. The warp streams
+// its selected blocks as 32-key sub-tiles of K and V with a cp.async double buffer and keeps an
+// FA2-style online softmax in registers. Sub-tiles that start after the query are skipped, so
+// the partial own block costs only what it needs.
+//
+// The KL value needs the teacher (the group's mean P over the selected keys), which needs every
+// head's lse first; a second kernel recomputes the scores of one (proxy head, token) with the
+// stored lse, accumulates the teacher per key in shared memory in a fixed order, scores the
+// same keys with the proxy, and writes KL[p, t]; a one-CTA reduction then forms kl_loss. All
+// reductions have a fixed order, so the KL value is bitwise reproducible.
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+
+#include "common/bf16.cuh"
 #include "common/check.cuh"
+#include "common/metadata.cuh"
+#include "common/mma.cuh"
 #include "launchers.h"
 
 namespace flashmsa::cuda {
-void launch_sparse_attention_forward(const MsaParams&, cudaStream_t) {
-  throw Error("flashmsa: launch_sparse_attention_forward is not implemented yet");
+namespace {
+
+constexpr int kBlk = 128;   // BLK
+constexpr int kSub = 32;    // keys per streamed sub-tile
+constexpr int kMaxItems = 512;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Row groups: runs of <= 16 consecutive main heads that share one proxy head and one kv head.
+// Built on the host from head counts only (no data), ordered by proxy head.
+struct HeadItems {
+  int n = 0;
+  int32_t packed[kMaxItems];      // h0 | (rows << 16)
+  int16_t p_begin[kMaxItems + 1];  // items of proxy head p: [p_begin[p], p_begin[p+1])
+};
+
+HeadItems make_items(const MsaParams& p) {
+  HeadItems it;
+  const int m = p.H / p.Hp, G = p.H / p.Hkv;
+  for (int ph = 0; ph < p.Hp; ++ph) {
+    it.p_begin[ph] = static_cast<int16_t>(it.n);
+    int h = ph * m;
+    const int end = (ph + 1) * m;
+    while (h < end) {
+      const int kv_end = (h / G + 1) * G;
+      const int rows = std::min(16, std::min(end, kv_end) - h);
+      if (it.n >= kMaxItems)
+        throw Error("flashmsa: sparse_attention_forward: argument 'q' has too many heads for CUDA");
+      it.packed[it.n++] = h | (rows << 16);
+      h += rows;
+    }
+  }
+  it.p_begin[p.Hp] = static_cast<int16_t>(it.n);
+  return it;
 }
+
+struct FwdArgs {
+  const __nv_bfloat16* q;   // [T, H, D]
+  const __nv_bfloat16* k;   // [T, Hkv, D]
+  const __nv_bfloat16* v;   // [T, Hkv, D]
+  const __nv_bfloat16* qp;  // [T, Hp, D]
+  const __nv_bfloat16* kp;  // [T, Hpk, D]
+  const int32_t* cu;        // [B+1]
+  const int32_t* block_idx; // [Hp, T, K]
+  __nv_bfloat16* o;         // [T, H, D]
+  float* lse;               // [H, T]
+  float* kl_rows;           // [Hp, T] KL[p, t] before the mean
+  int64_t T;
+  int B, H, Hkv, Hp, Hpk, K;
+  float scale_log2;         // scale * log2(e)
+  float proxy_scale;
+};
+
+// The query's selected blocks that are visible (0 <= n <= n_loc), as a lane mask over the K
+// entries read by lanes 0..K-1 (K <= 32); `blk` holds lane i's entry.
+struct Selection {
+  unsigned mask;
+  int blk;
+};
+
+__device__ __forceinline__ Selection read_selection(const FwdArgs& a, int p, int64_t t, int n_loc,
+                                                    int lane) {
+  int blk = -1;
+  if (lane < a.K) blk = __ldg(a.block_idx + (p * a.T + t) * a.K + lane);
+  const bool ok = blk >= 0 && blk <= n_loc;
+  return {__ballot_sync(0xffffffffu, ok), blk};
+}
+
+// Walks (selected block, 32-key chunk) pairs in order, skipping chunks that start after tpos.
+struct Cursor {
+  unsigned mask;  // selected blocks not yet started
+  int blk, chunk, slot;  // slot = ordinal of blk among the visible selected blocks
+  bool done;
+};
+
+__device__ __forceinline__ Cursor cursor_pop(const Selection& sel, Cursor c) {
+  if (c.mask == 0) {
+    c.done = true;
+    return c;
+  }
+  const int lane_src = __ffs(c.mask) - 1;
+  c.mask &= c.mask - 1;
+  c.blk = __shfl_sync(0xffffffffu, sel.blk, lane_src);
+  c.chunk = 0;
+  c.slot += 1;
+  return c;
+}
+
+__device__ __forceinline__ Cursor cursor_next(const Selection& sel, Cursor c, int tpos) {
+  if (c.chunk + 1 < kBlk / kSub && c.blk * kBlk + (c.chunk + 1) * kSub <= tpos) {
+    c.chunk += 1;
+    return c;
+  }
+  return cursor_pop(sel, c);
+}
+
+// Loads rows j0 .. j0+31 (positions in the sequence) of one head of a [T, heads, DIM] tensor;
+// rows after tpos are zero-filled.
+template <int DIM>
+__device__ __forceinline__ void load_sub_tile(unsigned char* dst, const __nv_bfloat16* base,
+                                              int64_t s0, int heads, int head, int j0, int tpos,
+                                              int lane) {
+  constexpr int kChunks = DIM / 8;
+  constexpr int kRowsPerIter = 32 / kChunks;
+  const int r0 = lane / kChunks, ch = lane % kChunks;
+  // One pointer stepped by whole rows keeps the address arithmetic out of the register budget.
+  const __nv_bfloat16* src = base + ((s0 + j0 + r0) * heads + head) * DIM + ch * 8;
+  const int64_t step = static_cast<int64_t>(kRowsPerIter) * heads * DIM;
+  const uint32_t dst0 = smem_u32(dst);
+#pragma unroll
+  for (int i = 0; i < kSub / kRowsPerIter; ++i) {
+    const int r = r0 + i * kRowsPerIter;
+    const bool ok = j0 + r <= tpos;
+    cp_async_16(dst0 + swizzle_offset<DIM * 2>(r, ch), ok ? src + i * step : base, ok);
+  }
+}
+
+// Up to 16 rows of a [T, heads, DIM] tensor starting at (t, h0); missing rows are zero.
+template <int DIM>
+__device__ __forceinline__ void load_rows(unsigned char* dst, const __nv_bfloat16* src_row0,
+                                          int rows, int lane) {
+  constexpr int kChunks = DIM / 8;
+#pragma unroll
+  for (int i = 0; i < 16 * kChunks / 32; ++i) {
+    const int c = i * 32 + lane;
+    const int r = c / kChunks, ch = c % kChunks;
+    const bool ok = r < rows;
+    cp_async_16(smem_u32(dst + swizzle_offset<DIM * 2>(r, ch)), src_row0 + (ok ? r : 0) * DIM + ch * 8,
+                ok);
+  }
+}
+
+template <int DIM>
+__device__ __forceinline__ void load_a_frags(uint32_t (&f)[DIM / 16][4], const unsigned char* src,
+                                             int lane) {
+#pragma unroll
+  for (int ks = 0; ks < DIM / 16; ++ks)
+    ldmatrix_x4(f[ks], smem_u32(src + swizzle_offset<DIM * 2>(lane & 15, ks * 2 + (lane >> 4))));
+}
+
+// s (16 x 32) = A (16 x DIM) * tile^T, tile = 32 keys x DIM in shared memory.
+template <int DIM>
+__device__ __forceinline__ void scores_16x32(float (&s)[kSub / 8][4], const uint32_t (&a)[DIM / 16][4],
+                                             const unsigned char* tile, int lane) {
+#pragma unroll
+  for (int j = 0; j < kSub / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < DIM / 16; ++ks) {
+#pragma unroll
+    for (int np = 0; np < kSub / 16; ++np) {
+      uint32_t bf[4];
+      ldmatrix_x4(bf, smem_u32(tile + swizzle_offset<DIM * 2>(np * 16 + (lane & 7) + ((lane >> 4) << 3),
+                                                              ks * 2 + ((lane >> 3) & 1))));
+      mma_bf16_16816(s[2 * np], a[ks], bf[0], bf[1]);
+      mma_bf16_16816(s[2 * np + 1], a[ks], bf[2], bf[3]);
+    }
+  }
+}
+
+template <int D>
+__global__ void __launch_bounds__(32)
+    sparse_forward_kernel(const FwdArgs a, const HeadItems items) {
+  constexpr int kRowBytes = D * 2;
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* q_s = smem;                         // [16][D]
+  unsigned char* k_s = q_s + 16 * kRowBytes;         // [2][32][D]
+  unsigned char* v_s = k_s + 2 * kSub * kRowBytes;   // [2][32][D]
+
+  const int lane = threadIdx.x;
+  const int64_t unit = blockIdx.x;
+  const int item = static_cast<int>(unit / a.T);
+  const int64_t t = unit - static_cast<int64_t>(item) * a.T;
+  const int h0 = items.packed[item] & 0xffff, rows = items.packed[item] >> 16;
+  const int m = a.H / a.Hp;
+  const int p = h0 / m, kvh = h0 / (a.H / a.Hkv);
+  const int b = find_sequence(a.cu, a.B, t);
+  const int64_t s0 = __ldg(a.cu + b);
+  const int tpos = static_cast<int>(t - s0);
+  const int n_loc = tpos / kBlk;
+
+  load_rows<D>(q_s, a.q + (t * a.H + h0) * D, rows, lane);
+  const Selection sel = read_selection(a, p, t, n_loc, lane);
+  Cursor cur = cursor_pop(sel, {sel.mask, 0, 0, -1, false});
+  if (!cur.done) {
+    load_sub_tile<D>(k_s, a.k, s0, a.Hkv, kvh, cur.blk * kBlk, tpos, lane);
+    load_sub_tile<D>(v_s, a.v, s0, a.Hkv, kvh, cur.blk * kBlk, tpos, lane);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncwarp();
+  uint32_t qf[D / 16][4];
+  load_a_frags<D>(qf, q_s, lane);
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
+
+  int buf = 0;
+  while (!cur.done) {
+    const Cursor nxt = cursor_next(sel, cur, tpos);
+    if (!nxt.done) {
+      const int j0 = nxt.blk * kBlk + nxt.chunk * kSub;
+      load_sub_tile<D>(k_s + (buf ^ 1) * kSub * kRowBytes, a.k, s0, a.Hkv, kvh, j0, tpos, lane);
+      load_sub_tile<D>(v_s + (buf ^ 1) * kSub * kRowBytes, a.v, s0, a.Hkv, kvh, j0, tpos, lane);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncwarp();
+
+    float s[kSub / 8][4];
+    scores_16x32<D>(s, qf, k_s + buf * kSub * kRowBytes, lane);
+    const int j0 = cur.blk * kBlk + cur.chunk * kSub;
+    const int col0 = j0 + 2 * (lane & 3);
+#pragma unroll
+    for (int j = 0; j < kSub / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const bool vis = col0 + j * 8 + e <= tpos;
+        s[j][e] = vis ? s[j][e] * a.scale_log2 : -INFINITY;
+        s[j][2 + e] = vis ? s[j][2 + e] * a.scale_log2 : -INFINITY;
+      }
+    }
+    float mx_lo = m_lo, mx_hi = m_hi;
+#pragma unroll
+    for (int j = 0; j < kSub / 8; ++j) {
+      mx_lo = fmaxf(mx_lo, fmaxf(s[j][0], s[j][1]));
+      mx_hi = fmaxf(mx_hi, fmaxf(s[j][2], s[j][3]));
+    }
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
+    // Every processed sub-tile holds key j0 <= tpos, so the new maxima are finite.
+    const float al_lo = exp2f(m_lo - mx_lo), al_hi = exp2f(m_hi - mx_hi);
+    m_lo = mx_lo;
+    m_hi = mx_hi;
+    float sum_lo = 0.f, sum_hi = 0.f;
+    uint32_t pf[kSub / 16][4];
+#pragma unroll
+    for (int j = 0; j < kSub / 8; ++j) {
+      const float p0 = exp2f(s[j][0] - m_lo), p1 = exp2f(s[j][1] - m_lo);
+      const float p2 = exp2f(s[j][2] - m_hi), p3 = exp2f(s[j][3] - m_hi);
+      sum_lo += p0 + p1;
+      sum_hi += p2 + p3;
+      pf[j / 2][(j & 1) * 2 + 0] = pack_bf16x2(p0, p1);
+      pf[j / 2][(j & 1) * 2 + 1] = pack_bf16x2(p2, p3);
+    }
+    l_lo = l_lo * al_lo + sum_lo;
+    l_hi = l_hi * al_hi + sum_hi;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      o[j][0] *= al_lo;
+      o[j][1] *= al_lo;
+      o[j][2] *= al_hi;
+      o[j][3] *= al_hi;
+    }
+    const unsigned char* vt = v_s + buf * kSub * kRowBytes;
+#pragma unroll
+    for (int kk = 0; kk < kSub / 16; ++kk) {
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t bf[4];
+        ldmatrix_x4_trans(bf, smem_u32(vt + swizzle_offset<kRowBytes>(
+                                                kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                dp * 2 + (lane >> 4))));
+        mma_bf16_16816(o[2 * dp], pf[kk], bf[0], bf[1]);
+        mma_bf16_16816(o[2 * dp + 1], pf[kk], bf[2], bf[3]);
+      }
+    }
+    __syncwarp();  // this buffer is refilled two steps on
+    cur = nxt;
+    buf ^= 1;
+  }
+
+  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
+  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
+  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
+  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
+  const float inv_lo = l_lo > 0.f ? 1.f / l_lo : 0.f, inv_hi = l_hi > 0.f ? 1.f / l_hi : 0.f;
+  const int g = lane >> 2, c2 = 2 * (lane & 3);
+  const bool ok_lo = g < rows, ok_hi = g + 8 < rows;
+  __nv_bfloat16* o_lo = a.o + (t * a.H + h0 + g) * D;
+  __nv_bfloat16* o_hi = o_lo + 8 * D;
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+    if (ok_lo)
+      *reinterpret_cast<uint32_t*>(o_lo + j * 8 + c2) = pack_bf16x2(o[j][0] * inv_lo, o[j][1] * inv_lo);
+    if (ok_hi)
+      *reinterpret_cast<uint32_t*>(o_hi + j * 8 + c2) = pack_bf16x2(o[j][2] * inv_hi, o[j][3] * inv_hi);
+  }
+  if ((lane & 3) == 0) {
+    if (ok_lo) a.lse[(h0 + g) * a.T + t] = l_lo > 0.f ? (m_lo + log2f(l_lo)) * kLn2 : -INFINITY;
+    if (ok_hi) a.lse[(h0 + g + 8) * a.T + t] = l_hi > 0.f ? (m_hi + log2f(l_hi)) * kLn2 : -INFINITY;
+  }
+}
+
+// KL[p, t] of msa.md step 6 for one (proxy head, token) per warp, after the forward wrote lse.
+// Shared memory: per-key teacher sums and proxy scores for the K selected blocks.
+template <int D>
+__global__ void __launch_bounds__(32) kl_rows_kernel(const FwdArgs a, const HeadItems items) {
+  constexpr int kRowBytes = D * 2;
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* q_s = smem;                                   // [16][D]
+  unsigned char* k_s = q_s + 16 * kRowBytes;                   // [2][32][D]
+  float* teach = reinterpret_cast<float*>(k_s + 2 * kSub * kRowBytes);  // [K][128]
+  float* sprox = teach + a.K * kBlk;                                   // [K][128]
+
+  const int lane = threadIdx.x;
+  const int64_t unit = blockIdx.x;
+  const int p = static_cast<int>(unit / a.T);
+  const int64_t t = unit - static_cast<int64_t>(p) * a.T;
+  const int m = a.H / a.Hp;
+  const int pk = p / (a.Hp / a.Hpk);
+  const int b = find_sequence(a.cu, a.B, t);
+  const int64_t s0 = __ldg(a.cu + b);
+  const int tpos = static_cast<int>(t - s0);
+  const int n_loc = tpos / kBlk;
+  const Selection sel = read_selection(a, p, t, n_loc, lane);
+  for (int i = lane; i < a.K * kBlk; i += 32) {
+    teach[i] = 0.f;
+    sprox[i] = -INFINITY;
+  }
+  const int g = lane >> 2, c2 = 2 * (lane & 3);
+
+  // pass(0..n_items-1): teacher sums of one head item; pass == n_items: proxy scores.
+  const int it0 = items.p_begin[p], it1 = items.p_begin[p + 1];
+  for (int it = it0; it <= it1; ++it) {
+    const bool proxy = it == it1;
+    int h0 = 0, rows = 1, kvh = 0;
+    if (!proxy) {
+      h0 = items.packed[it] & 0xffff;
+      rows = items.packed[it] >> 16;
+      kvh = h0 / (a.H / a.Hkv);
+    }
+    float lse_lo = INFINITY, lse_hi = INFINITY;  // +inf makes padded rows contribute 0
+    if (!proxy) {
+      if (g < rows) lse_lo = __ldg(a.lse + (h0 + g) * a.T + t) * kLog2e;
+      if (g + 8 < rows) lse_hi = __ldg(a.lse + (h0 + g + 8) * a.T + t) * kLog2e;
+    }
+    __syncwarp();
+    if (proxy) load_rows<D>(q_s, a.qp + (t * a.Hp + p) * D, 1, lane);
+    else load_rows<D>(q_s, a.q + (t * a.H + h0) * D, rows, lane);
+    Cursor cur = cursor_pop(sel, {sel.mask, 0, 0, -1, false});
+    const __nv_bfloat16* kbase = proxy ? a.kp : a.k;
+    const int kheads = proxy ? a.Hpk : a.Hkv, khead = proxy ? pk : kvh;
+    if (!cur.done) load_sub_tile<D>(k_s, kbase, s0, kheads, khead, cur.blk * kBlk, tpos, lane);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncwarp();
+    uint32_t qf[D / 16][4];
+    load_a_frags<D>(qf, q_s, lane);
+    int buf = 0;
+    while (!cur.done) {
+      const Cursor nxt = cursor_next(sel, cur, tpos);
+      if (!nxt.done) {
+        load_sub_tile<D>(k_s + (buf ^ 1) * kSub * kRowBytes, kbase, s0, kheads, khead,
+                         nxt.blk * kBlk + nxt.chunk * kSub, tpos, lane);
+        cp_async_commit();
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncwarp();
+      float s[kSub / 8][4];
+      scores_16x32<D>(s, qf, k_s + buf * kSub * kRowBytes, lane);
+      const int j0 = cur.blk * kBlk + cur.chunk * kSub;
+      float* tslot = teach + cur.slot * kBlk + cur.chunk * kSub;
+      float* sslot = sprox + cur.slot * kBlk + cur.chunk * kSub;
+#pragma unroll
+      for (int j = 0; j < kSub / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int col = j * 8 + c2 + e;
+          const bool vis = j0 + col <= tpos;
+          if (proxy) {
+            if (g == 0 && vis) sslot[col] = s[j][e] * a.proxy_scale;
+          } else {
+            float pr = vis ? exp2f(s[j][e] * a.scale_log2 - lse_lo) +
+                                 exp2f(s[j][2 + e] * a.scale_log2 - lse_hi)
+                           : 0.f;
+            pr += __shfl_xor_sync(0xffffffffu, pr, 4);
+            pr += __shfl_xor_sync(0xffffffffu, pr, 8);
+            pr += __shfl_xor_sync(0xffffffffu, pr, 16);
+            if (g == 0) tslot[col] += pr;
+          }
+        }
+      }
+      __syncwarp();
+      cur = nxt;
+      buf ^= 1;
+    }
+    __syncwarp();
+  }
+
+  // KL = sum_j Tch (log Tch - log Qs), log Qs = s - logsumexp(s) over the same keys.
+  float mx = -INFINITY;
+  for (int i = lane; i < a.K * kBlk; i += 32) mx = fmaxf(mx, sprox[i]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  float se = 0.f;
+  for (int i = lane; i < a.K * kBlk; i += 32) se += sprox[i] == -INFINITY ? 0.f : __expf(sprox[i] - mx);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) se += __shfl_xor_sync(0xffffffffu, se, off);
+  const float lse_s = mx + logf(se);
+  const float inv_m = 1.f / static_cast<float>(m);
+  float kl = 0.f;
+  for (int i = lane; i < a.K * kBlk; i += 32) {
+    const float tch = teach[i] * inv_m;
+    if (tch > 0.f && sprox[i] != -INFINITY) kl += tch * (logf(tch) - (sprox[i] - lse_s));
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) kl += __shfl_xor_sync(0xffffffffu, kl, off);
+  if (lane == 0) a.kl_rows[p * a.T + t] = kl;
+}
+
+// kl_loss = coeff * mean of kl_rows, one CTA, fixed summation order.
+__global__ void __launch_bounds__(1024)
+    kl_mean_kernel(const float* __restrict__ rows, int64_t n, float coeff, float* __restrict__ out) {
+  __shared__ float part[1024];
+  float s = 0.f;
+  for (int64_t i = threadIdx.x; i < n; i += 1024) s += rows[i];
+  part[threadIdx.x] = s;
+  __syncthreads();
+  for (int off = 512; off > 0; off >>= 1) {
+    if (threadIdx.x < off) part[threadIdx.x] += part[threadIdx.x + off];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) out[0] = coeff * part[0] / static_cast<float>(n);
+}
+
+template <int D>
+void launch_forward(const FwdArgs& a, const HeadItems& items, bool with_kl, cudaStream_t stream) {
+  const size_t fwd_smem = (16 + 4 * kSub) * D * 2;
+  auto fwd = sparse_forward_kernel<D>;
+  FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(fwd, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)fwd_smem));
+  const int64_t units = a.T * items.n;
+  fwd<<<static_cast<unsigned>(units), 32, fwd_smem, stream>>>(a, items);
+  FLASHMSA_CHECK_LAUNCH();
+  if (!with_kl) return;
+  const size_t kl_smem = (16 + 2 * kSub) * D * 2 + 2 * sizeof(float) * a.K * kBlk;
+  auto klk = kl_rows_kernel<D>;
+  FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(klk, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kl_smem));
+  klk<<<static_cast<unsigned>(a.T * a.Hp), 32, kl_smem, stream>>>(a, items);
+  FLASHMSA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
+  if (p.D != p.Dv || p.D != p.Dp)
+    throw Error("flashmsa: sparse_attention_forward: arguments 'q', 'v', 'qp' must have equal "
+                "head dims (D = Dv = Dp) on CUDA");
+  if (p.top_k > 32)
+    throw Error("flashmsa: sparse_attention_forward: option 'top_k' must be <= 32 on CUDA");
+  const HeadItems items = make_items(p);
+  if (p.T == 0) {
+    if (p.kl != nullptr) FLASHMSA_CUDA_CHECK(cudaMemsetAsync(p.kl, 0, sizeof(float), stream));
+    return;
+  }
+  if (p.T * std::max(items.n, p.Hp) > INT_MAX)
+    throw Error("flashmsa: sparse_attention_forward: argument 'q' has too many tokens x heads");
+
+  FwdArgs a;
+  a.q = static_cast<const __nv_bfloat16*>(p.q);
+  a.k = static_cast<const __nv_bfloat16*>(p.k);
+  a.v = static_cast<const __nv_bfloat16*>(p.v);
+  a.qp = static_cast<const __nv_bfloat16*>(p.qp);
+  a.kp = static_cast<const __nv_bfloat16*>(p.kp);
+  a.cu = p.cu_seqlens;
+  a.block_idx = p.block_idx;
+  a.o = static_cast<__nv_bfloat16*>(p.o);
+  a.lse = p.lse;
+  a.kl_rows = nullptr;
+  a.T = p.T;
+  a.B = p.B;
+  a.H = p.H;
+  a.Hkv = p.Hkv;
+  a.Hp = p.Hp;
+  a.Hpk = p.Hpk;
+  a.K = p.top_k;
+  a.scale_log2 = p.scale * kLog2e;
+  a.proxy_scale = p.proxy_scale;
+
+  const bool with_kl = p.kl != nullptr;
+  if (with_kl)
+    FLASHMSA_CUDA_CHECK(cudaMallocAsync(&a.kl_rows, sizeof(float) * p.T * p.Hp, stream));
+  if (p.D == 64) launch_forward<64>(a, items, with_kl, stream);
+  else launch_forward<128>(a, items, with_kl, stream);
+  if (with_kl) {
+    kl_mean_kernel<<<1, 1024, 0, stream>>>(a.kl_rows, p.T * p.Hp, p.kl_coeff, p.kl);
+    FLASHMSA_CHECK_LAUNCH();
+    FLASHMSA_CUDA_CHECK(cudaFreeAsync(a.kl_rows, stream));
+  }
+}
+
 }  // namespace flashmsa::cuda

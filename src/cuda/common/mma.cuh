@@ -1,0 +1,66 @@
+// Thin PTX wrappers for the warp-level tensor-core path (mma.sync m16n8k16 bf16, ldmatrix,
+// cp.async) and the shared-memory swizzle the tiles use.
+//
+// Fragment layouts of mma.m16n8k16 (g = lane / 4, c = lane % 4):
+//   A 16x16 row-major, 4 regs: (g, 2c..2c+1) (g+8, 2c..) (g, 2c+8..) (g+8, 2c+8..)
+//   B 16x8 "col", 2 regs:      (k 2c..2c+1, n g) (k 2c+8.., n g)
+//   C 16x8 fp32, 4 floats:     (g, 2c) (g, 2c+1) (g+8, 2c) (g+8, 2c+1)
+#pragma once
+
+#include <cstdint>
+
+namespace flashmsa::cuda {
+
+// d += a * b, bf16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4],
+                                               uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// Same, each matrix transposed (B fragments from a row-major [k][n] tile such as V).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// 16-byte global -> shared copy; when `valid` is false the destination is zero-filled and the
+// source is not read (rows past a sequence end must never bring NaN/Inf garbage into a tile).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a tile whose rows are ROW_BYTES long.
+// The chunk index is XORed with the row's low 3 bits so that the 8 row addresses of one
+// ldmatrix (same logical chunk, 8 consecutive rows) hit 8 different bank groups.
+template <int ROW_BYTES>
+__device__ __forceinline__ uint32_t swizzle_offset(int row, int chunk) {
+  static_assert(ROW_BYTES % 128 == 0, "rows must hold a multiple of 8 chunks");
+  return static_cast<uint32_t>(row * ROW_BYTES + ((chunk ^ (row & 7)) << 4));
+}
+
+}  // namespace flashmsa::cuda

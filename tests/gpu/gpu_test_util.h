@@ -1,0 +1,383 @@
+// Helpers for the GPU suites: device buffers that are poisoned before every run, random bf16
+// problems in the packed varlen layout, and a threaded host reference for the parts of msa.md
+// the GPU results are compared against (block scores for the selection rule; o, lse and the KL
+// value of a forward on a given selection). The reference is written from msa.md alone and
+// accumulates in double, so it shares no code (and no bug) with either backend.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "flashmsa/flashmsa.h"
+
+namespace gputest {
+
+#define GPUTEST_CUDA(call)                                                          \
+  do {                                                                              \
+    cudaError_t e_ = (call);                                                        \
+    if (e_ != cudaSuccess) FAIL() << #call << ": " << cudaGetErrorString(e_);       \
+  } while (0)
+
+// Skips the calling test when there is no sm_90 device (CI machines have none).
+#define GPUTEST_REQUIRE_DEVICE()                                                    \
+  do {                                                                              \
+    if (!flashmsa::cuda_device_available()) GTEST_SKIP() << "no sm_90 CUDA device"; \
+  } while (0)
+
+// ---- bf16 on the host (round to nearest even), independent of the library ----
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (std::isnan(f)) return 0x7FC0;
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+inline float from_bf16(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// A device allocation; poison() fills it with 0xFF bytes: NaN for bf16 and fp32, and -1
+// (a legal padding value) would hide misses, so int32 buffers are poisoned with 0xAB bytes.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
+    if (bytes_ > 0 && cudaMalloc(&ptr_, bytes_) != cudaSuccess) {
+      ptr_ = nullptr;
+      ADD_FAILURE() << "cudaMalloc of " << bytes_ << " bytes failed";
+    }
+  }
+  ~DeviceBuffer() {
+    if (ptr_ != nullptr) cudaFree(ptr_);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) {
+    o.ptr_ = nullptr;
+    o.bytes_ = 0;
+  }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    std::swap(ptr_, o.ptr_);
+    std::swap(bytes_, o.bytes_);
+    return *this;
+  }
+
+  void* get() const { return ptr_; }
+  size_t bytes() const { return bytes_; }
+  void fill(unsigned char b) {
+    if (bytes_) EXPECT_EQ(cudaMemset(ptr_, b, bytes_), cudaSuccess);
+  }
+  template <typename T>
+  void upload(const std::vector<T>& h) {
+    ASSERT_EQ(h.size() * sizeof(T), bytes_);
+    if (bytes_) ASSERT_EQ(cudaMemcpy(ptr_, h.data(), bytes_, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  template <typename T>
+  std::vector<T> download() const {
+    std::vector<T> h(bytes_ / sizeof(T));
+    if (bytes_) EXPECT_EQ(cudaMemcpy(h.data(), ptr_, bytes_, cudaMemcpyDeviceToHost), cudaSuccess);
+    return h;
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+constexpr unsigned char kFloatPoison = 0xFF;
+constexpr unsigned char kIntPoisonByte = 0xAB;
+constexpr int32_t kIntPoison = static_cast<int32_t>(0xABABABABu);
+
+inline flashmsa::TensorView dview(const DeviceBuffer& b, flashmsa::DType dt,
+                                  std::initializer_list<int64_t> shape) {
+  return flashmsa::make_view(b.get(), dt, shape, flashmsa::Device::cuda, 0);
+}
+
+// ---- problem description and random inputs ----
+struct Shape {
+  int H = 4, Hkv = 1, Hp = 1, Hpk = 1;
+  int D = 64;  // D = Dv = Dp on the CUDA backend
+  int K = 16;
+  int local_blocks = 1;
+  std::vector<int> lengths;
+};
+
+inline std::vector<int32_t> cu_from(const std::vector<int>& lengths) {
+  std::vector<int32_t> cu{0};
+  for (int l : lengths) cu.push_back(cu.back() + l);
+  return cu;
+}
+
+// Host inputs (bf16 bits) and their device copies.
+struct Problem {
+  Shape s;
+  int64_t T = 0;
+  int B = 0;
+  std::vector<int32_t> cu;
+  std::vector<uint16_t> q, k, v, qp, kp;  // bf16 bits, [T, heads, D]
+  DeviceBuffer dq, dk, dv, dqp, dkp, dcu;
+
+  flashmsa::AttentionInputs device_inputs() const {
+    using flashmsa::DType;
+    flashmsa::AttentionInputs in;
+    in.q = dview(dq, DType::bf16, {T, s.H, s.D});
+    in.k = dview(dk, DType::bf16, {T, s.Hkv, s.D});
+    in.v = dview(dv, DType::bf16, {T, s.Hkv, s.D});
+    in.qp = dview(dqp, DType::bf16, {T, s.Hp, s.D});
+    in.kp = dview(dkp, DType::bf16, {T, s.Hpk, s.D});
+    in.cu_seqlens = dview(dcu, DType::int32, {B + 1});
+    in.cu_seqlens_host = cu.data();
+    return in;
+  }
+  flashmsa::AttentionInputs host_inputs() {
+    using flashmsa::DType;
+    flashmsa::AttentionInputs in;
+    in.q = flashmsa::make_view(q.data(), DType::bf16, {T, s.H, s.D});
+    in.k = flashmsa::make_view(k.data(), DType::bf16, {T, s.Hkv, s.D});
+    in.v = flashmsa::make_view(v.data(), DType::bf16, {T, s.Hkv, s.D});
+    in.qp = flashmsa::make_view(qp.data(), DType::bf16, {T, s.Hp, s.D});
+    in.kp = flashmsa::make_view(kp.data(), DType::bf16, {T, s.Hpk, s.D});
+    in.cu_seqlens = flashmsa::make_view(cu.data(), DType::int32, {B + 1});
+    return in;
+  }
+  flashmsa::Options options() const {
+    flashmsa::Options o;
+    o.top_k = s.K;
+    o.local_blocks = s.local_blocks;
+    o.kl_coeff = 0.37f;
+    return o;
+  }
+};
+
+inline std::vector<uint16_t> random_bf16(size_t n, std::mt19937_64& rng) {
+  std::normal_distribution<float> dist(0.f, 1.f);
+  std::vector<uint16_t> x(n);
+  for (auto& e : x) e = to_bf16(dist(rng));
+  return x;
+}
+
+inline void make_problem(Problem& pr, const Shape& s, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  pr.s = s;
+  pr.cu = cu_from(s.lengths);
+  pr.B = static_cast<int>(s.lengths.size());
+  pr.T = pr.cu.back();
+  const size_t T = static_cast<size_t>(pr.T);
+  pr.q = random_bf16(T * s.H * s.D, rng);
+  pr.k = random_bf16(T * s.Hkv * s.D, rng);
+  pr.v = random_bf16(T * s.Hkv * s.D, rng);
+  pr.qp = random_bf16(T * s.Hp * s.D, rng);
+  pr.kp = random_bf16(T * s.Hpk * s.D, rng);
+  pr.dq = DeviceBuffer(pr.q.size() * 2);
+  pr.dk = DeviceBuffer(pr.k.size() * 2);
+  pr.dv = DeviceBuffer(pr.v.size() * 2);
+  pr.dqp = DeviceBuffer(pr.qp.size() * 2);
+  pr.dkp = DeviceBuffer(pr.kp.size() * 2);
+  pr.dcu = DeviceBuffer(pr.cu.size() * 4);
+  pr.dq.upload(pr.q);
+  pr.dk.upload(pr.k);
+  pr.dv.upload(pr.v);
+  pr.dqp.upload(pr.qp);
+  pr.dkp.upload(pr.kp);
+  pr.dcu.upload(pr.cu);
+}
+
+// Runs f(i) for i in [0, n) on all hardware threads.
+inline void parallel_for(int64_t n, const std::function<void(int64_t)>& f) {
+  const int nt = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<std::thread> pool;
+  for (int w = 0; w < nt; ++w)
+    pool.emplace_back([&, w] {
+      for (int64_t i = w; i < n; i += nt) f(i);
+    });
+  for (auto& th : pool) th.join();
+}
+
+inline double dot_bf16(const uint16_t* a, const uint16_t* b, int d) {
+  double s = 0;
+  for (int i = 0; i < d; ++i) s += static_cast<double>(from_bf16(a[i])) * from_bf16(b[i]);
+  return s;
+}
+
+// msa.md steps 1-3 for one (proxy head, token): bs over the visible blocks 0..n_loc.
+inline std::vector<double> block_scores(const Problem& pr, int p, int64_t t, int64_t s0) {
+  const Shape& s = pr.s;
+  const int pk = p / (s.Hp / s.Hpk);
+  const double scale_p = 1.0 / std::sqrt(static_cast<double>(s.D));
+  const int tpos = static_cast<int>(t - s0), n_loc = tpos / 128;
+  std::vector<double> bs(n_loc + 1, -std::numeric_limits<double>::infinity());
+  const uint16_t* qrow = pr.qp.data() + (t * s.Hp + p) * s.D;
+  for (int j = 0; j <= tpos; ++j) {
+    const double v = scale_p * dot_bf16(qrow, pr.kp.data() + ((s0 + j) * s.Hpk + pk) * s.D, s.D);
+    bs[j / 128] = std::max(bs[j / 128], v);
+  }
+  for (int n = std::max(0, n_loc - s.local_blocks + 1); n <= n_loc; ++n)
+    bs[n] = std::numeric_limits<double>::infinity();
+  return bs;
+}
+
+// Checks a [Hp, T, K] selection against msa.md: ascending, -1 padding last, exactly
+// min(K, n_loc+1) blocks, local blocks present, and every selected block's score >= the K-th
+// best reference score - tol (ties within rounding are accepted).
+inline void check_selection(const Problem& pr, const std::vector<int32_t>& sel, double tol) {
+  const Shape& s = pr.s;
+  std::vector<int> bad(static_cast<size_t>(s.Hp * pr.T), 0);
+  std::vector<std::string> why(bad.size());
+  parallel_for(s.Hp * pr.T, [&](int64_t u) {
+    const int p = static_cast<int>(u / pr.T);
+    const int64_t t = u % pr.T;
+    const int b = static_cast<int>(std::upper_bound(pr.cu.begin(), pr.cu.end(), t) - pr.cu.begin()) - 1;
+    const int64_t s0 = pr.cu[b];
+    const int n_loc = static_cast<int>(t - s0) / 128;
+    const int32_t* row = sel.data() + u * s.K;
+    const int want = std::min(s.K, n_loc + 1);
+    auto fail = [&](const std::string& m) {
+      bad[u] = 1;
+      why[u] = "p=" + std::to_string(p) + " t=" + std::to_string(t) + ": " + m;
+    };
+    for (int i = 0; i < s.K; ++i) {
+      if (i < want) {
+        if (row[i] < 0 || row[i] > n_loc) return fail("entry " + std::to_string(i) + " = " + std::to_string(row[i]));
+        if (i > 0 && row[i] <= row[i - 1]) return fail("not strictly ascending");
+      } else if (row[i] != -1) {
+        return fail("padding entry " + std::to_string(i) + " = " + std::to_string(row[i]));
+      }
+    }
+    for (int n = std::max(0, n_loc - s.local_blocks + 1); n <= n_loc; ++n)
+      if (std::find(row, row + want, n) == row + want) return fail("local block missing");
+    if (want == n_loc + 1) return;  // every visible block is selected
+    std::vector<double> bs = block_scores(pr, p, t, s0);
+    std::vector<double> sorted = bs;
+    std::nth_element(sorted.begin(), sorted.begin() + (s.K - 1), sorted.end(), std::greater<double>());
+    const double kth = sorted[s.K - 1];
+    for (int i = 0; i < want; ++i)
+      if (bs[row[i]] < kth - tol)
+        return fail("block " + std::to_string(row[i]) + " score " + std::to_string(bs[row[i]]) +
+                    " < K-th best " + std::to_string(kth));
+  });
+  int64_t nbad = 0;
+  std::string first;
+  for (size_t i = 0; i < bad.size(); ++i)
+    if (bad[i] && nbad++ == 0) first = why[i];
+  EXPECT_EQ(nbad, 0) << "selection rows violating msa.md, first: " << first;
+}
+
+// Reference forward (msa.md steps 5-6) on a given selection, double accumulation.
+struct RefForward {
+  std::vector<double> o;    // [T, H, D]
+  std::vector<double> lse;  // [H, T]
+  double kl = 0;            // kl_coeff * mean KL
+};
+
+inline RefForward reference_forward(const Problem& pr, const std::vector<int32_t>& sel,
+                                    double kl_coeff) {
+  const Shape& s = pr.s;
+  const int m = s.H / s.Hp, G = s.H / s.Hkv, D = s.D;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  RefForward r;
+  r.o.assign(static_cast<size_t>(pr.T * s.H * D), 0.0);
+  r.lse.assign(static_cast<size_t>(s.H * pr.T), 0.0);
+  std::vector<double> kl_rows(static_cast<size_t>(s.Hp * pr.T), 0.0);
+  parallel_for(s.Hp * pr.T, [&](int64_t u) {
+    const int p = static_cast<int>(u / pr.T);
+    const int64_t t = u % pr.T;
+    const int b = static_cast<int>(std::upper_bound(pr.cu.begin(), pr.cu.end(), t) - pr.cu.begin()) - 1;
+    const int64_t s0 = pr.cu[b];
+    const int tpos = static_cast<int>(t - s0);
+    std::vector<int> keys;
+    const int32_t* row = sel.data() + u * s.K;
+    for (int i = 0; i < s.K; ++i)
+      if (row[i] >= 0)
+        for (int j = row[i] * 128; j < (row[i] + 1) * 128 && j <= tpos; ++j) keys.push_back(j);
+    std::vector<double> teacher(keys.size(), 0.0), sc(keys.size());
+    for (int h = p * m; h < (p + 1) * m; ++h) {
+      const int kvh = h / G;
+      const uint16_t* qrow = pr.q.data() + (t * s.H + h) * D;
+      double mx = -std::numeric_limits<double>::infinity();
+      for (size_t i = 0; i < keys.size(); ++i) {
+        sc[i] = scale * dot_bf16(qrow, pr.k.data() + ((s0 + keys[i]) * s.Hkv + kvh) * D, D);
+        mx = std::max(mx, sc[i]);
+      }
+      double sum = 0;
+      for (size_t i = 0; i < keys.size(); ++i) sum += std::exp(sc[i] - mx);
+      const double lse = mx + std::log(sum);
+      r.lse[static_cast<size_t>(h * pr.T + t)] = lse;
+      double* orow = r.o.data() + (t * s.H + h) * D;
+      for (size_t i = 0; i < keys.size(); ++i) {
+        const double pw = std::exp(sc[i] - lse);
+        teacher[i] += pw / m;
+        const uint16_t* vrow = pr.v.data() + ((s0 + keys[i]) * s.Hkv + kvh) * D;
+        for (int d = 0; d < D; ++d) orow[d] += pw * from_bf16(vrow[d]);
+      }
+    }
+    const int pk = p / (s.Hp / s.Hpk);
+    const double scale_p = 1.0 / std::sqrt(static_cast<double>(D));
+    double mx = -std::numeric_limits<double>::infinity();
+    for (size_t i = 0; i < keys.size(); ++i) {
+      sc[i] = scale_p * dot_bf16(pr.qp.data() + (t * s.Hp + p) * D,
+                                 pr.kp.data() + ((s0 + keys[i]) * s.Hpk + pk) * D, D);
+      mx = std::max(mx, sc[i]);
+    }
+    double sum = 0;
+    for (size_t i = 0; i < keys.size(); ++i) sum += std::exp(sc[i] - mx);
+    const double lse_s = mx + std::log(sum);
+    double kl = 0;
+    for (size_t i = 0; i < keys.size(); ++i)
+      if (teacher[i] > 0) kl += teacher[i] * (std::log(teacher[i]) - (sc[i] - lse_s));
+    kl_rows[static_cast<size_t>(u)] = kl;
+  });
+  double total = 0;
+  for (double x : kl_rows) total += x;
+  r.kl = pr.T > 0 ? kl_coeff * total / static_cast<double>(s.Hp * pr.T) : 0.0;
+  return r;
+}
+
+inline std::vector<double> bf16_to_doubles(const std::vector<uint16_t>& x) {
+  std::vector<double> y(x.size());
+  for (size_t i = 0; i < x.size(); ++i) y[i] = from_bf16(x[i]);
+  return y;
+}
+
+inline double rel_l2(const std::vector<double>& got, const std::vector<double>& ref) {
+  if (got.size() != ref.size()) return std::numeric_limits<double>::infinity();
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double d = got[i] - ref[i];
+    num += d * d;
+    den += ref[i] * ref[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+inline double max_abs(const std::vector<double>& a, const std::vector<double>& b) {
+  if (a.size() != b.size()) return std::numeric_limits<double>::infinity();
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double d = std::fabs(a[i] - b[i]);
+    if (std::isnan(d)) return std::numeric_limits<double>::infinity();
+    m = std::max(m, d);
+  }
+  return m;
+}
+
+inline int64_t count_nonfinite(const std::vector<double>& x) {
+  int64_t n = 0;
+  for (double e : x) n += !std::isfinite(e);
+  return n;
+}
+
+}  // namespace gputest

@@ -1,0 +1,324 @@
+// GPU block selection and block-sparse forward against the host reference of gpu_test_util.h
+// and against the CPU backend (through the public API) on the GPU's own selection.
+// Every output buffer is poisoned before each call, so an element the GPU never writes fails.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "flashmsa/flashmsa.h"
+#include "gpu_test_util.h"
+
+namespace {
+
+using flashmsa::DType;
+using gputest::DeviceBuffer;
+using gputest::Problem;
+using gputest::Shape;
+
+constexpr double kScoreTol = 2e-3;  // fp32-from-bf16 scores vs double: rounding only
+
+struct GpuForward {
+  std::vector<int32_t> sel;
+  std::vector<double> o, lse;
+  float kl = 0;
+};
+
+// select_blocks then sparse_attention_forward on the device, outputs poisoned first.
+GpuForward run_gpu(const Problem& pr, bool with_kl = true) {
+  const Shape& s = pr.s;
+  GpuForward r;
+  auto in = pr.device_inputs();
+  auto opt = pr.options();
+  DeviceBuffer sel(static_cast<size_t>(s.Hp * pr.T * s.K) * 4);
+  DeviceBuffer o(static_cast<size_t>(pr.T * s.H * s.D) * 2), lse(static_cast<size_t>(s.H * pr.T) * 4),
+      kl(4);
+  sel.fill(gputest::kIntPoisonByte);
+  o.fill(gputest::kFloatPoison);
+  lse.fill(gputest::kFloatPoison);
+  kl.fill(gputest::kFloatPoison);
+  auto selv = gputest::dview(sel, DType::int32, {s.Hp, pr.T, s.K});
+  flashmsa::select_blocks(in, opt, selv);
+  flashmsa::sparse_attention_forward(
+      in, selv, opt, gputest::dview(o, DType::bf16, {pr.T, s.H, s.D}),
+      gputest::dview(lse, DType::fp32, {s.H, pr.T}),
+      with_kl ? gputest::dview(kl, DType::fp32, {1}) : flashmsa::TensorView());
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  r.sel = sel.download<int32_t>();
+  r.o = gputest::bf16_to_doubles(o.download<uint16_t>());
+  auto l = lse.download<float>();
+  r.lse.assign(l.begin(), l.end());
+  r.kl = kl.download<float>()[0];
+  return r;
+}
+
+// The CPU backend's forward on the GPU's selection, through the public API.
+struct CpuForward {
+  std::vector<double> o, lse;
+  float kl = 0;
+};
+CpuForward run_cpu_forward(Problem& pr, std::vector<int32_t> sel) {
+  const Shape& s = pr.s;
+  CpuForward r;
+  std::vector<uint16_t> o(static_cast<size_t>(pr.T * s.H * s.D), 0xFFFF);
+  std::vector<float> lse(static_cast<size_t>(s.H * pr.T), std::nanf(""));
+  float kl = std::nanf("");
+  flashmsa::sparse_attention_forward(
+      pr.host_inputs(), flashmsa::make_view(sel.data(), DType::int32, {s.Hp, pr.T, s.K}),
+      pr.options(), flashmsa::make_view(o.data(), DType::bf16, {pr.T, s.H, s.D}),
+      flashmsa::make_view(lse.data(), DType::fp32, {s.H, pr.T}),
+      flashmsa::make_view(&kl, DType::fp32, {1}));
+  r.o = gputest::bf16_to_doubles(o);
+  r.lse.assign(lse.begin(), lse.end());
+  r.kl = kl;
+  return r;
+}
+
+void check_forward_case(const Shape& s, uint64_t seed) {
+  Problem pr;
+  gputest::make_problem(pr, s, seed);
+  const GpuForward g = run_gpu(pr);
+  if (::testing::Test::HasFatalFailure()) return;
+
+  int64_t unwritten = 0;
+  for (int32_t x : g.sel) unwritten += x == gputest::kIntPoison;
+  ASSERT_EQ(unwritten, 0) << "block_idx entries never written";
+  gputest::check_selection(pr, g.sel, kScoreTol);
+
+  ASSERT_EQ(gputest::count_nonfinite(g.o), 0) << "o has unwritten (NaN) elements";
+  ASSERT_EQ(gputest::count_nonfinite(g.lse), 0) << "lse has unwritten (NaN) elements";
+  ASSERT_TRUE(std::isfinite(g.kl)) << "kl not written";
+
+  const gputest::RefForward ref = gputest::reference_forward(pr, g.sel, pr.options().kl_coeff);
+  const double o_err = gputest::rel_l2(g.o, ref.o);
+  const double lse_err = gputest::max_abs(g.lse, ref.lse);
+  const double kl_err = std::fabs(g.kl - ref.kl) / std::max(1e-12, std::fabs(ref.kl));
+  EXPECT_LT(o_err, 1e-2) << "o rel L2 vs host reference";
+  EXPECT_LT(lse_err, 1e-3) << "lse max abs vs host reference";
+  EXPECT_LT(kl_err, 1e-2) << "kl rel vs host reference: gpu " << g.kl << " ref " << ref.kl;
+  EXPECT_GT(ref.kl, 0.0) << "a KL of zero would make the check vacuous";
+
+  CpuForward c;
+  try {
+    c = run_cpu_forward(pr, g.sel);
+  } catch (const flashmsa::Error& e) {
+    ADD_FAILURE() << "CPU backend forward failed: " << e.what();
+    return;
+  }
+  EXPECT_LT(gputest::rel_l2(g.o, c.o), 1e-2) << "o rel L2 vs CPU backend";
+  EXPECT_LT(gputest::max_abs(g.lse, c.lse), 1e-3) << "lse max abs vs CPU backend";
+  EXPECT_LT(std::fabs(g.kl - c.kl) / std::max(1e-12, std::fabs(static_cast<double>(c.kl))), 1e-2)
+      << "kl vs CPU backend: gpu " << g.kl << " cpu " << c.kl;
+  std::printf("    T=%lld H=%d Hkv=%d Hp=%d Hpk=%d D=%d K=%d L=%d: o %.2e lse %.2e kl %.2e (kl=%.5f)\n",
+              static_cast<long long>(pr.T), s.H, s.Hkv, s.Hp, s.Hpk, s.D, s.K, s.local_blocks,
+              o_err, lse_err, kl_err, g.kl);
+}
+
+Shape shape(int H, int Hkv, int Hp, int Hpk, int D, int K, std::vector<int> lengths, int L = 1) {
+  Shape s;
+  s.H = H;
+  s.Hkv = Hkv;
+  s.Hp = Hp;
+  s.Hpk = Hpk;
+  s.D = D;
+  s.K = K;
+  s.local_blocks = L;
+  s.lengths = std::move(lengths);
+  return s;
+}
+
+// The M3 group shape (m = 16 heads on one kv head, 4 proxy heads on one proxy key head), a
+// few thousand tokens, T not a multiple of 128, more blocks than K.
+TEST(CudaForward, M3GroupD128) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_forward_case(shape(64, 4, 4, 1, 128, 16, {3001}), 11);
+}
+
+TEST(CudaForward, GqaD64SeveralSequences) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_forward_case(shape(8, 2, 4, 2, 64, 8, {1000, 130, 77, 2100}), 12);
+}
+
+// m = 1 and Hpk = Hp.
+TEST(CudaForward, OneHeadPerProxyHead) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_forward_case(shape(4, 4, 4, 4, 64, 4, {900, 1}), 13);
+}
+
+// K = 1: only the own block.
+TEST(CudaForward, LocalOnlyK1) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_forward_case(shape(8, 2, 2, 2, 128, 1, {700, 300}), 14);
+}
+
+// Sequences shorter than a block and with fewer visible blocks than K.
+TEST(CudaForward, FewerVisibleBlocksThanK) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_forward_case(shape(8, 1, 2, 1, 128, 16, {50, 200, 129, 1, 128, 640}), 15);
+}
+
+// Many short sequences, zero-length ones among them.
+TEST(CudaForward, FiveHundredShortSequences) {
+  GPUTEST_REQUIRE_DEVICE();
+  std::mt19937_64 rng(99);
+  std::vector<int> lengths(500);
+  for (int& l : lengths) l = static_cast<int>(rng() % 300);
+  lengths[0] = 0;
+  lengths[17] = 0;
+  lengths[18] = 0;
+  lengths[499] = 0;
+  check_forward_case(shape(4, 1, 2, 1, 64, 2, lengths), 16);
+}
+
+// Several local blocks.
+TEST(CudaForward, ThreeLocalBlocks) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_forward_case(shape(4, 2, 2, 1, 64, 5, {2000}, 3), 17);
+}
+
+// Groups that straddle kv heads (m = 6, H/Hkv = 4) and a group larger than 16 rows.
+TEST(CudaForward, OddHeadRatios) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_forward_case(shape(12, 3, 2, 1, 64, 6, {1500}), 18);
+  check_forward_case(shape(32, 1, 1, 1, 64, 8, {1200}), 19);
+}
+
+// K > 16 (the 32-entry top-K path).
+TEST(CudaForward, LargeK) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_forward_case(shape(4, 1, 1, 1, 128, 20, {4000, 700}), 20);
+}
+
+// msa_forward = select_blocks + sparse_attention_forward, and reruns are bitwise identical.
+TEST(CudaForward, MsaForwardMatchesAndIsDeterministic) {
+  GPUTEST_REQUIRE_DEVICE();
+  Problem pr;
+  gputest::make_problem(pr, shape(16, 2, 2, 1, 128, 8, {1700, 900}), 21);
+  const GpuForward a = run_gpu(pr);
+  const Shape& s = pr.s;
+  DeviceBuffer sel(static_cast<size_t>(s.Hp * pr.T * s.K) * 4);
+  DeviceBuffer o(static_cast<size_t>(pr.T * s.H * s.D) * 2), lse(static_cast<size_t>(s.H * pr.T) * 4),
+      kl(4);
+  sel.fill(gputest::kIntPoisonByte);
+  o.fill(gputest::kFloatPoison);
+  lse.fill(gputest::kFloatPoison);
+  kl.fill(gputest::kFloatPoison);
+  flashmsa::msa_forward(pr.device_inputs(), pr.options(),
+                        gputest::dview(sel, DType::int32, {s.Hp, pr.T, s.K}),
+                        gputest::dview(o, DType::bf16, {pr.T, s.H, s.D}),
+                        gputest::dview(lse, DType::fp32, {s.H, pr.T}),
+                        gputest::dview(kl, DType::fp32, {1}));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(sel.download<int32_t>(), a.sel);
+  EXPECT_EQ(gputest::bf16_to_doubles(o.download<uint16_t>()), a.o);
+  auto l = lse.download<float>();
+  EXPECT_EQ(std::vector<double>(l.begin(), l.end()), a.lse);
+  const float k2 = kl.download<float>()[0];
+  EXPECT_EQ(std::memcmp(&k2, &a.kl, 4), 0) << k2 << " vs " << a.kl;
+}
+
+// Without a kl output the forward still writes o and lse.
+TEST(CudaForward, WithoutKl) {
+  GPUTEST_REQUIRE_DEVICE();
+  Problem pr;
+  gputest::make_problem(pr, shape(8, 2, 2, 1, 64, 4, {777}), 22);
+  const GpuForward g = run_gpu(pr, /*with_kl=*/false);
+  ASSERT_EQ(gputest::count_nonfinite(g.o), 0);
+  ASSERT_EQ(gputest::count_nonfinite(g.lse), 0);
+  const gputest::RefForward ref = gputest::reference_forward(pr, g.sel, 1.0);
+  EXPECT_LT(gputest::rel_l2(g.o, ref.o), 1e-2);
+  EXPECT_LT(gputest::max_abs(g.lse, ref.lse), 1e-3);
+}
+
+// T = 0 (no sequences, and only empty sequences): the kl value is written as 0.
+TEST(CudaForward, EmptyBatch) {
+  GPUTEST_REQUIRE_DEVICE();
+  for (std::vector<int> lengths : {std::vector<int>{}, std::vector<int>{0, 0, 0}}) {
+    Problem pr;
+    gputest::make_problem(pr, shape(4, 1, 2, 1, 64, 4, lengths), 23);
+    const GpuForward g = run_gpu(pr);
+    EXPECT_TRUE(g.sel.empty());
+    EXPECT_TRUE(g.o.empty());
+    EXPECT_EQ(g.kl, 0.f);
+  }
+}
+
+// Bad input on the GPU path: an Error naming the argument, and nothing written.
+TEST(CudaForward, BadArgumentsWriteNothing) {
+  GPUTEST_REQUIRE_DEVICE();
+  Problem pr;
+  gputest::make_problem(pr, shape(4, 1, 1, 1, 64, 4, {300}), 24);
+  const Shape& s = pr.s;
+  const int64_t T = pr.T;
+  DeviceBuffer sel(static_cast<size_t>(s.Hp * T * s.K) * 4);
+  DeviceBuffer o(static_cast<size_t>(T * s.H * s.D) * 4), lse(static_cast<size_t>(s.H * T) * 4), kl(4);
+  sel.fill(gputest::kIntPoisonByte);
+  o.fill(gputest::kFloatPoison);
+  lse.fill(gputest::kFloatPoison);
+  kl.fill(gputest::kFloatPoison);
+
+  // fp32 inputs: the CUDA backend takes bf16 only.
+  DeviceBuffer q32(static_cast<size_t>(T * s.H * s.D) * 4), k32(static_cast<size_t>(T * s.D) * 4),
+      v32(static_cast<size_t>(T * s.D) * 4), qp32(static_cast<size_t>(T * s.D) * 4),
+      kp32(static_cast<size_t>(T * s.D) * 4);
+  flashmsa::AttentionInputs in;
+  in.q = gputest::dview(q32, DType::fp32, {T, s.H, s.D});
+  in.k = gputest::dview(k32, DType::fp32, {T, 1, s.D});
+  in.v = gputest::dview(v32, DType::fp32, {T, 1, s.D});
+  in.qp = gputest::dview(qp32, DType::fp32, {T, 1, s.D});
+  in.kp = gputest::dview(kp32, DType::fp32, {T, 1, s.D});
+  in.cu_seqlens = gputest::dview(pr.dcu, DType::int32, {pr.B + 1});
+  in.cu_seqlens_host = pr.cu.data();
+  auto selv = gputest::dview(sel, DType::int32, {s.Hp, T, s.K});
+  try {
+    flashmsa::select_blocks(in, pr.options(), selv);
+    ADD_FAILURE() << "fp32 select_blocks on CUDA did not throw";
+  } catch (const flashmsa::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'q'"), std::string::npos) << e.what();
+  }
+  try {
+    flashmsa::sparse_attention_forward(in, selv, pr.options(),
+                                       gputest::dview(o, DType::fp32, {T, s.H, s.D}),
+                                       gputest::dview(lse, DType::fp32, {s.H, T}),
+                                       gputest::dview(kl, DType::fp32, {1}));
+    ADD_FAILURE() << "fp32 sparse_attention_forward on CUDA did not throw";
+  } catch (const flashmsa::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'q'"), std::string::npos) << e.what();
+  }
+  // bf16 inputs but a block_idx of the wrong shape.
+  try {
+    flashmsa::sparse_attention_forward(pr.device_inputs(), gputest::dview(sel, DType::int32, {s.Hp, T, s.K - 1}),
+                                       pr.options(), gputest::dview(o, DType::bf16, {T, s.H, s.D}),
+                                       gputest::dview(lse, DType::fp32, {s.H, T}),
+                                       gputest::dview(kl, DType::fp32, {1}));
+    ADD_FAILURE() << "wrong block_idx shape did not throw";
+  } catch (const flashmsa::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'block_idx'"), std::string::npos) << e.what();
+  }
+  // top_k above what the CUDA selector keeps in registers.
+  {
+    auto opt = pr.options();
+    opt.top_k = 33;
+    DeviceBuffer big(static_cast<size_t>(s.Hp * T * 33) * 4);
+    big.fill(gputest::kIntPoisonByte);
+    try {
+      flashmsa::select_blocks(pr.device_inputs(), opt, gputest::dview(big, DType::int32, {s.Hp, T, 33}));
+      ADD_FAILURE() << "top_k = 33 did not throw";
+    } catch (const flashmsa::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("'top_k'"), std::string::npos) << e.what();
+    }
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (int32_t x : big.download<int32_t>()) ASSERT_EQ(x, gputest::kIntPoison);
+  }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (int32_t x : sel.download<int32_t>()) ASSERT_EQ(x, gputest::kIntPoison);
+  for (unsigned char b : o.download<unsigned char>()) ASSERT_EQ(b, gputest::kFloatPoison);
+  for (unsigned char b : lse.download<unsigned char>()) ASSERT_EQ(b, gputest::kFloatPoison);
+  for (unsigned char b : kl.download<unsigned char>()) ASSERT_EQ(b, gputest::kFloatPoison);
+}
+
+}  // namespace
