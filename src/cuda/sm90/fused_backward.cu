@@ -1,9 +1,430 @@
-// Placeholder until the kernel lands: raises a clear error instead of computing anything.
+// The fused MSA backward on sm_90a: dq, dk, dv of the block-sparse main attention and dqp, dkp
+// of the proxy's KL, plus the KL value, from the cached block indices. Linear in T.
+//
+// Steps (all on `stream`, no host synchronisation):
+//   1. metadata: first global block of each sequence, the sequence of each global block;
+//   2. inverted selection index: (p, t, slot) entries keyed by (p, global block), stable radix
+//      sort (so each block's token list is ascending in t, the same every run), list offsets by
+//      binary search;
+//   3. Di = rowsum(dO * O) per (t, h); the student's lse per (p, t) from per-slot partials
+//      (KV-major pre-pass, then a merge);
+//   4. attn_bwd_kernel (dq, dk, dv) and kl_bwd_kernel (dqp, dkp, KL), KV-major;
+//   5. accumulators -> bf16, the KL sum -> kl.
+// Deterministic mode swaps the fp32 atomics for int64 fixed-point ones (see backward_tiles.cuh),
+// with per-tensor power-of-two factors derived on the device from bounds on each gradient.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cub/device/device_radix_sort.cuh>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <string>
+
 #include "common/check.cuh"
+#include "common/metadata.cuh"
 #include "launchers.h"
+#include "sm90/backward_kernels.cuh"
 
 namespace flashmsa::cuda {
-void launch_fused_backward(const MsaParams&, cudaStream_t) {
-  throw Error("flashmsa: launch_fused_backward is not implemented yet");
+namespace {
+
+using bwd::bf16;
+using bwd::kBlk;
+
+// ---- metadata and the inverted index --------------------------------------------------------
+
+__global__ void block_sequence_kernel(const int32_t* __restrict__ blk_off,  // [B+1]
+                                      int32_t* __restrict__ blk_seq) {      // [NB]
+  const int b = blockIdx.x;
+  const int first = blk_off[b], count = blk_off[b + 1] - first;
+  for (int i = threadIdx.x; i < count; i += blockDim.x) blk_seq[first + i] = b;
 }
+
+// Block index of a selection entry, or -1 when it is padding (or names a block the token cannot
+// see, which a well-formed selection never does; skipping it keeps every read in bounds).
+__device__ __forceinline__ int entry_block(const int32_t* __restrict__ cu, int B, int64_t t, int idx,
+                                           int& seq) {
+  seq = find_sequence(cu, B, t);
+  const int nloc = static_cast<int>((t - cu[seq]) / kBlk);
+  return idx >= 0 && idx <= nloc ? idx : -1;
+}
+
+__global__ void make_keys_kernel(const int32_t* __restrict__ block_idx,  // [Hp, T, K]
+                                 const int32_t* __restrict__ cu,         // [B+1]
+                                 const int32_t* __restrict__ blk_off,    // [B+1]
+                                 int B, int64_t T, int K, int NB, int64_t n,
+                                 uint32_t sentinel,
+                                 uint32_t* __restrict__ keys,             // [Hp*T*K]
+                                 int32_t* __restrict__ vals) {            // [Hp*T*K]
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t tk = i % (T * K);
+    const int p = static_cast<int>(i / (T * K));
+    const int64_t t = tk / K;
+    int seq;
+    const int blk = entry_block(cu, B, t, block_idx[i], seq);
+    keys[i] = blk >= 0 ? static_cast<uint32_t>(p) * NB + blk_off[seq] + blk : sentinel;
+    vals[i] = static_cast<int32_t>(tk);
+  }
+}
+
+// seg_start[key] = first sorted position whose key is >= key (lower bound), key in [0, nkeys].
+__global__ void list_offsets_kernel(const uint32_t* __restrict__ sorted_keys,  // [n]
+                                    int64_t n, int64_t nkeys,
+                                    int32_t* __restrict__ seg_start) {         // [nkeys+1]
+  const int64_t key = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (key > nkeys) return;
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) >> 1;
+    if (sorted_keys[mid] < static_cast<uint32_t>(key)) lo = mid + 1;
+    else hi = mid;
+  }
+  seg_start[key] = static_cast<int32_t>(lo);
+}
+
+// ---- small per-row kernels ------------------------------------------------------------------
+
+// Di[t, h] = sum_d dO * O, one warp per row.
+__global__ void di_kernel(const bf16* __restrict__ o,    // [rows, Dv]
+                          const bf16* __restrict__ d_o,  // [rows, Dv]
+                          int64_t rows, int Dv,
+                          float* __restrict__ di) {      // [rows]
+  const int64_t row = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  const __nv_bfloat162* o2 = reinterpret_cast<const __nv_bfloat162*>(o + row * Dv);
+  const __nv_bfloat162* d2 = reinterpret_cast<const __nv_bfloat162*>(d_o + row * Dv);
+  float sum = 0.f;
+  for (int i = lane; i < Dv / 2; i += 32) {
+    const float2 a = __bfloat1622float2(o2[i]), b = __bfloat1622float2(d2[i]);
+    sum += a.x * b.x + a.y * b.y;
+  }
+  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (lane == 0) di[row] = sum;
+}
+
+// The student's lse per (p, t) from the per-slot partials of proxy_lse_kernel.
+__global__ void merge_student_lse_kernel(const int32_t* __restrict__ block_idx,  // [Hp, T, K]
+                                         const int32_t* __restrict__ cu, int B, int64_t T, int K,
+                                         int64_t n,  // Hp*T
+                                         const float* __restrict__ part_max,  // [Hp, T, K]
+                                         const float* __restrict__ part_sum,  // [Hp, T, K]
+                                         float* __restrict__ lse_s) {         // [Hp, T]
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  const int64_t t = i % T;
+  float mx = -INFINITY;
+  for (int s = 0; s < K; ++s) {
+    int seq;
+    if (entry_block(cu, B, t, block_idx[i * K + s], seq) >= 0) mx = fmaxf(mx, part_max[i * K + s]);
+  }
+  float sum = 0.f;
+  for (int s = 0; s < K; ++s) {
+    int seq;
+    if (entry_block(cu, B, t, block_idx[i * K + s], seq) >= 0)
+      sum += part_sum[i * K + s] * __expf(part_max[i * K + s] - mx);
+  }
+  lse_s[i] = mx + __logf(sum);
+}
+
+// ---- deterministic mode: fixed-point factors --------------------------------------------------
+
+// max |x| over a bf16 tensor, as float bits (non-negative floats order like their bits).
+__global__ void absmax_kernel(const bf16* __restrict__ x, int64_t n8,  // n8 = numel / 8
+                              unsigned int* __restrict__ out) {
+  float m = 0.f;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n8;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint4 w = reinterpret_cast<const uint4*>(x)[i];
+    const uint32_t parts[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&parts[j]));
+      m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
+    }
+  }
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  if ((threadIdx.x & 31) == 0) atomicMax(out, __float_as_uint(m));
+}
+
+// Power of two F with bound * F < 2^62 (so a sum of terms bounded in total by `bound` fits).
+__device__ float fixed_point_factor(float bound) {
+  if (!(bound > 0.f) || !isfinite(bound)) return 1.f;
+  int e;
+  frexpf(bound, &e);  // bound < 2^e
+  return ldexpf(1.f, max(-126, min(127, 62 - e)));
+}
+
+// Bounds (see the derivation in docs/backward.md): with A_x = max|x|,
+//   |dS_main| summed over keys <= Dv*A_dO*(A_v + A_o);  sum_j |dS_proxy| <= 2|c|.
+__global__ void fixed_point_kernel(const unsigned int* __restrict__ amax_bits,  // [7]: q k v o dO qp kp
+                                   float scale, float scale_p, int Dv, float T, float r,
+                                   float hp_per_pk, float c_base, const float* __restrict__ kl_grad,
+                                   float* __restrict__ fx) {  // [5]: dq dk dv dqp dkp
+  float a[7];
+  for (int i = 0; i < 7; ++i) a[i] = __uint_as_float(amax_bits[i]);
+  const float c = fabsf(c_base * (kl_grad ? *kl_grad : 1.f));
+  const float ds_sum = Dv * a[4] * (a[2] + a[3]);
+  fx[0] = fixed_point_factor(scale * a[1] * ds_sum);
+  fx[1] = fixed_point_factor(scale * a[0] * ds_sum * T * r);
+  fx[2] = fixed_point_factor(a[4] * T * r);
+  fx[3] = fixed_point_factor(2.f * c * scale_p * a[6]);
+  fx[4] = fixed_point_factor(2.f * c * scale_p * a[5] * T * hp_per_pk);
+}
+
+// ---- outputs ----------------------------------------------------------------------------------
+
+__global__ void convert_acc_kernel(const void* __restrict__ acc,  // [n] fp32, or int64 when fx
+                                   int64_t n, const float* __restrict__ fx,  // factor or null
+                                   bf16* __restrict__ out) {                  // [n]
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float x = fx ? static_cast<float>(
+                             static_cast<double>(reinterpret_cast<const long long*>(acc)[i]) /
+                             static_cast<double>(*fx))
+                       : reinterpret_cast<const float*>(acc)[i];
+    out[i] = __float2bfloat16_rn(x);
+  }
+}
+
+// kl = factor * sum of the per-block partials, summed in a fixed order.
+__global__ void __launch_bounds__(256) kl_final_kernel(const float* __restrict__ part,  // [n]
+                                                       int64_t n, float factor,
+                                                       float* __restrict__ kl) {         // [1]
+  __shared__ float red[256];
+  float s = 0.f;
+  for (int64_t i = threadIdx.x; i < n; i += 256) s += part[i];
+  red[threadIdx.x] = s;
+  __syncthreads();
+  for (int w = 128; w > 0; w >>= 1) {
+    if (threadIdx.x < w) red[threadIdx.x] += red[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) kl[0] = red[0] * factor;
+}
+
+// ---- host side --------------------------------------------------------------------------------
+
+int grid_for(int64_t n, int threads, int64_t cap = 65536) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(cap, (n + threads - 1) / threads)));
+}
+
+// Bump allocator over one stream-ordered allocation.
+class Workspace {
+ public:
+  size_t add(size_t bytes) {
+    const size_t at = size_;
+    size_ += (bytes + 255) / 256 * 256;
+    return at;
+  }
+  void allocate(cudaStream_t s) {
+    if (size_ > 0) FLASHMSA_CUDA_CHECK(cudaMallocAsync(&base_, size_, s));
+  }
+  void release(cudaStream_t s) {
+    if (base_) FLASHMSA_CUDA_CHECK(cudaFreeAsync(base_, s));
+    base_ = nullptr;
+  }
+  template <typename T>
+  T* at(size_t offset) const {
+    return reinterpret_cast<T*>(static_cast<unsigned char*>(base_) + offset);
+  }
+
+ private:
+  void* base_ = nullptr;
+  size_t size_ = 0;
+};
+
+template <typename Kernel>
+void set_smem(Kernel kernel, int bytes) {
+  FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+}
+
+template <int D>
+void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, const float* di,
+                 float* part_max, float* part_sum, float* lse_s, void* dq_acc, void* dqp_acc,
+                 void* dk_acc, void* dv_acc, void* dkp_acc, const float* fx, float* kl_part,
+                 bool main_owned, bool kl_owned, int nseg) {
+  const int64_t nrow = static_cast<int64_t>(p.Hp) * p.T;
+  const auto* q = static_cast<const bf16*>(p.q);
+  const auto* k = static_cast<const bf16*>(p.k);
+  const auto* v = static_cast<const bf16*>(p.v);
+  const auto* qp = static_cast<const bf16*>(p.qp);
+  const auto* kp = static_cast<const bf16*>(p.kp);
+
+  const int lse_smem = (kBlk + bwd::kTileTok) * D * 2 + bwd::kTileTok * 4;
+  set_smem(bwd::proxy_lse_kernel<D>, lse_smem);
+  bwd::proxy_lse_kernel<D><<<dim3(ix.NB, p.Hp), 128, lse_smem, stream>>>(qp, kp, ix, p.Hp, p.Hpk,
+                                                                         p.proxy_scale, part_max, part_sum);
+  FLASHMSA_CHECK_LAUNCH();
+  merge_student_lse_kernel<<<grid_for(nrow, 256, INT_MAX), 256, 0, stream>>>(
+      p.block_idx, p.cu_seqlens, p.B, p.T, p.top_k, nrow, part_max, part_sum, lse_s);
+  FLASHMSA_CHECK_LAUNCH();
+
+  constexpr int attn_smem = bwd::attn_smem_bytes<D>();
+  set_smem(bwd::attn_bwd_kernel<D>, attn_smem);
+  bwd::attn_bwd_kernel<D><<<dim3(ix.NB, nseg), 256, attn_smem, stream>>>(
+      q, k, v, static_cast<const bf16*>(p.d_o), p.lse, di, ix, p.H, p.Hkv, p.Hp, p.scale, dq_acc, fx,
+      main_owned ? 1 : 0, static_cast<bf16*>(p.dk), static_cast<bf16*>(p.dv), dk_acc, dv_acc);
+  FLASHMSA_CHECK_LAUNCH();
+
+  constexpr int kl_smem = bwd::kl_smem_bytes<D>();
+  set_smem(bwd::kl_bwd_kernel<D>, kl_smem);
+  const float c_base = static_cast<float>(static_cast<double>(p.kl_coeff) / (static_cast<double>(p.Hp) * p.T));
+  bwd::kl_bwd_kernel<D><<<dim3(ix.NB, p.Hp), 256, kl_smem, stream>>>(
+      q, k, qp, kp, p.lse, lse_s, ix, p.H, p.Hkv, p.Hp, p.Hpk, p.scale, p.proxy_scale, c_base, p.kl_grad,
+      dqp_acc, fx, kl_owned ? 1 : 0, static_cast<bf16*>(p.dkp), dkp_acc, kl_part);
+  FLASHMSA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
+  // ---- everything that can fail on arguments, before any launch ----
+  if (p.D != p.Dv || p.D != p.Dp)
+    throw Error("flashmsa: fused_backward: the CUDA backend needs D == Dv == Dp (arguments 'v', 'qp')");
+  if (p.T * static_cast<int64_t>(p.top_k) * p.Hp >= INT32_MAX)
+    throw Error("flashmsa: fused_backward: argument 'block_idx' has Hp*T*K >= 2^31 entries");
+  if (p.T == 0) {
+    if (p.kl) FLASHMSA_CUDA_CHECK(cudaMemsetAsync(p.kl, 0, sizeof(float), stream));
+    return;
+  }
+
+  const int64_t T = p.T;
+  const int K = p.top_k;
+  int NB = 0;
+  for (int b = 0; b < p.B; ++b) NB += (p.cu_seqlens_host[b + 1] - p.cu_seqlens_host[b] + kBlk - 1) / kBlk;
+  const int64_t n_entries = static_cast<int64_t>(p.Hp) * T * K;
+  const int64_t nkeys = static_cast<int64_t>(p.Hp) * NB;  // also the sentinel key
+  int end_bit = 1;
+  while ((int64_t{1} << end_bit) <= nkeys) ++end_bit;
+
+  const int m = p.H / p.Hp, r = p.H / p.Hkv;
+  int nseg = 0;
+  for (int h = 0; h < p.H; ++h) nseg += (h % m == 0 || h % r == 0) ? 1 : 0;
+  const bool main_owned = m % r == 0;  // every kv head lies inside one proxy group
+  const bool kl_owned = p.Hp == p.Hpk;
+  const bool det = p.deterministic;
+  const size_t acc_elem = det ? 8 : 4;
+
+  size_t cub_bytes = 0;
+  FLASHMSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+      nullptr, cub_bytes, static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
+      static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), n_entries, 0, end_bit, stream));
+
+  Workspace ws;
+  const size_t o_blk_off = ws.add((p.B + 1) * sizeof(int32_t));
+  const size_t o_blk_seq = ws.add(std::max(NB, 1) * sizeof(int32_t));
+  const size_t o_keys_in = ws.add(n_entries * 4), o_keys_out = ws.add(n_entries * 4);
+  const size_t o_vals_in = ws.add(n_entries * 4), o_vals_out = ws.add(n_entries * 4);
+  const size_t o_seg = ws.add((nkeys + 1) * sizeof(int32_t));
+  const size_t o_cub = ws.add(cub_bytes);
+  const size_t o_di = ws.add(T * p.H * sizeof(float));
+  const size_t o_pmax = ws.add(n_entries * sizeof(float)), o_psum = ws.add(n_entries * sizeof(float));
+  const size_t o_lse_s = ws.add(static_cast<size_t>(p.Hp) * T * sizeof(float));
+  const size_t o_kl_part = ws.add(std::max<int64_t>(nkeys, 1) * sizeof(float));
+  const int64_t n_dq = T * p.H * p.D, n_dqp = T * p.Hp * p.Dp;
+  const int64_t n_dk = T * p.Hkv * p.D, n_dkp = T * p.Hpk * p.Dp;
+  // The accumulators are zeroed together: keep them contiguous.
+  const size_t o_acc_begin = ws.add(0);
+  const size_t o_dq = ws.add(n_dq * acc_elem), o_dqp = ws.add(n_dqp * acc_elem);
+  const size_t o_dk = main_owned ? 0 : ws.add(n_dk * acc_elem);
+  const size_t o_dv = main_owned ? 0 : ws.add(n_dk * acc_elem);
+  const size_t o_dkp = kl_owned ? 0 : ws.add(n_dkp * acc_elem);
+  const size_t o_acc_end = ws.add(0);
+  const size_t o_amax = det ? ws.add(8 * sizeof(unsigned int)) : 0;
+  const size_t o_fx = det ? ws.add(8 * sizeof(float)) : 0;
+  ws.allocate(stream);
+
+  // ---- metadata and the inverted index ----
+  bwd::Index ix;
+  ix.cu = p.cu_seqlens;
+  ix.blk_off = ws.at<int32_t>(o_blk_off);
+  ix.blk_seq = ws.at<int32_t>(o_blk_seq);
+  ix.seg_start = ws.at<int32_t>(o_seg);
+  ix.vals = ws.at<int32_t>(o_vals_out);
+  ix.B = p.B;
+  ix.NB = NB;
+  ix.K = K;
+  ix.T = T;
+  if (p.B > 0) {
+    build_tile_offsets_kernel<<<1, 1024, 0, stream>>>(p.cu_seqlens, p.B, kBlk, ws.at<int32_t>(o_blk_off));
+    FLASHMSA_CHECK_LAUNCH();
+    block_sequence_kernel<<<p.B, 128, 0, stream>>>(ws.at<int32_t>(o_blk_off), ws.at<int32_t>(o_blk_seq));
+    FLASHMSA_CHECK_LAUNCH();
+  }
+  make_keys_kernel<<<grid_for(n_entries, 256), 256, 0, stream>>>(
+      p.block_idx, p.cu_seqlens, ws.at<int32_t>(o_blk_off), p.B, T, K, NB, n_entries,
+      static_cast<uint32_t>(nkeys), ws.at<uint32_t>(o_keys_in), ws.at<int32_t>(o_vals_in));
+  FLASHMSA_CHECK_LAUNCH();
+  FLASHMSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+      ws.at<void>(o_cub), cub_bytes, ws.at<const uint32_t>(o_keys_in), ws.at<uint32_t>(o_keys_out),
+      ws.at<const int32_t>(o_vals_in), ws.at<int32_t>(o_vals_out), n_entries, 0, end_bit, stream));
+  list_offsets_kernel<<<grid_for(nkeys + 1, 256, INT_MAX), 256, 0, stream>>>(
+      ws.at<uint32_t>(o_keys_out), n_entries, nkeys, ws.at<int32_t>(o_seg));
+  FLASHMSA_CHECK_LAUNCH();
+
+  // ---- per-row terms ----
+  const int64_t rows = T * p.H;
+  di_kernel<<<grid_for(rows * 32, 256, INT_MAX), 256, 0, stream>>>(
+      static_cast<const bf16*>(p.o), static_cast<const bf16*>(p.d_o), rows, p.Dv, ws.at<float>(o_di));
+  FLASHMSA_CHECK_LAUNCH();
+
+  FLASHMSA_CUDA_CHECK(cudaMemsetAsync(ws.at<void>(o_acc_begin), 0, o_acc_end - o_acc_begin, stream));
+  const float* fx = nullptr;
+  if (det) {
+    unsigned int* amax = ws.at<unsigned int>(o_amax);
+    FLASHMSA_CUDA_CHECK(cudaMemsetAsync(amax, 0, 8 * sizeof(unsigned int), stream));
+    const void* tensors[7] = {p.q, p.k, p.v, p.o, p.d_o, p.qp, p.kp};
+    const int64_t sizes[7] = {T * p.H * p.D, T * p.Hkv * p.D, T * p.Hkv * p.Dv, T * p.H * p.Dv,
+                              T * p.H * p.Dv, T * p.Hp * p.Dp, T * p.Hpk * p.Dp};
+    for (int i = 0; i < 7; ++i) {
+      absmax_kernel<<<grid_for(sizes[i] / 8, 256, 4096), 256, 0, stream>>>(
+          static_cast<const bf16*>(tensors[i]), sizes[i] / 8, amax + i);
+      FLASHMSA_CHECK_LAUNCH();
+    }
+    const float c_base = static_cast<float>(static_cast<double>(p.kl_coeff) / (static_cast<double>(p.Hp) * T));
+    fixed_point_kernel<<<1, 1, 0, stream>>>(amax, p.scale, p.proxy_scale, p.Dv, static_cast<float>(T),
+                                            static_cast<float>(r), static_cast<float>(p.Hp / p.Hpk),
+                                            c_base, p.kl_grad, ws.at<float>(o_fx));
+    FLASHMSA_CHECK_LAUNCH();
+    fx = ws.at<float>(o_fx);
+  }
+
+  void* dk_acc = main_owned ? nullptr : ws.at<void>(o_dk);
+  void* dv_acc = main_owned ? nullptr : ws.at<void>(o_dv);
+  void* dkp_acc = kl_owned ? nullptr : ws.at<void>(o_dkp);
+  auto run = [&](auto tag) {
+    constexpr int D = decltype(tag)::value;
+    run_kernels<D>(p, stream, ix, ws.at<float>(o_di), ws.at<float>(o_pmax), ws.at<float>(o_psum),
+                   ws.at<float>(o_lse_s), ws.at<void>(o_dq), ws.at<void>(o_dqp), dk_acc, dv_acc, dkp_acc, fx,
+                   ws.at<float>(o_kl_part), main_owned, kl_owned, nseg);
+  };
+  if (p.D == 64) run(std::integral_constant<int, 64>{});
+  else run(std::integral_constant<int, 128>{});
+
+  // ---- outputs ----
+  auto convert = [&](const void* acc, int64_t n, int fx_index, void* out) {
+    convert_acc_kernel<<<grid_for(n, 256), 256, 0, stream>>>(acc, n, fx ? fx + fx_index : nullptr,
+                                                             static_cast<bf16*>(out));
+    FLASHMSA_CHECK_LAUNCH();
+  };
+  convert(ws.at<void>(o_dq), n_dq, 0, p.dq);
+  convert(ws.at<void>(o_dqp), n_dqp, 3, p.dqp);
+  if (!main_owned) {
+    convert(dk_acc, n_dk, 1, p.dk);
+    convert(dv_acc, n_dk, 2, p.dv);
+  }
+  if (!kl_owned) convert(dkp_acc, n_dkp, 4, p.dkp);
+  if (p.kl) {
+    kl_final_kernel<<<1, 256, 0, stream>>>(ws.at<float>(o_kl_part), nkeys,
+                                           static_cast<float>(p.kl_coeff / (static_cast<double>(p.Hp) * T)), p.kl);
+    FLASHMSA_CHECK_LAUNCH();
+  }
+  ws.release(stream);
+}
+
 }  // namespace flashmsa::cuda

@@ -1,0 +1,566 @@
+// The three tensor-core kernels of the fused backward, all KV-major: one CTA per (proxy head
+// or head segment, global key block) walks the list of query tokens that selected the block,
+// 64 tokens at a time, with the block's keys resident in shared memory.
+//   proxy_lse_kernel : the student's partial (max, sum) over one selected block per (p, t, slot)
+//   attn_bwd_kernel  : dq, dk, dv of the main attention (FlashAttention-2 style, transposed:
+//                      warp w owns keys 16w..16w+15, so dK and dV never leave registers)
+//   kl_bwd_kernel    : the teacher (mean of the group's m softmaxes, rebuilt from q, k, lse),
+//                      the KL value, dqp and dkp
+#pragma once
+
+#include "sm90/backward_tiles.cuh"
+
+namespace flashmsa::cuda::bwd {
+
+// ---------------------------------------------------------------------------------------------
+// Student log-sum-exp pieces: for each selected (p, t, slot) the max and the sum of exp over the
+// block's visible keys of s = scale_p <qp[t,p], kp[j,pk]>. 4 warps, warp w owns tokens
+// 16w..16w+15 of the tile, all 128 keys (rows = tokens here, so the reduction is within quads).
+template <int D>
+__global__ void __launch_bounds__(128) proxy_lse_kernel(
+    const bf16* __restrict__ qp,  // [T, Hp, D]
+    const bf16* __restrict__ kp,  // [T, Hpk, D]
+    Index ix, int Hp, int Hpk, float scale_p,
+    float* __restrict__ part_max,   // [Hp, T, K]
+    float* __restrict__ part_sum) { // [Hp, T, K]
+  constexpr int RB = D * 2;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int g = blockIdx.x, p = blockIdx.y;
+  const BlockCtx bc = block_ctx(ix, p, g);
+  if (bc.begin == bc.end) return;
+  const int pk = p / (Hp / Hpk);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g4 = lane >> 2, c4 = lane & 3;
+  unsigned char* sKp = smem;                         // [128][D]
+  unsigned char* sQp = sKp + kBlk * RB;              // [64][D]
+  int32_t* sVal = reinterpret_cast<int32_t*>(sQp + kTileTok * RB);  // [64] list entries
+  const uint32_t kp_base = smem_u32(sKp), qp_base = smem_u32(sQp);
+
+  load_rows_async<D, 128>(kp_base, kBlk, kp, [&](int r) -> const bf16* {
+    return bc.key0 + r < bc.seq_len ? kp + ((bc.seq_start + bc.key0 + r) * Hpk + pk) * D : nullptr;
+  });
+  const int64_t TK = ix.T * ix.K;
+
+  for (int i0 = bc.begin; i0 < bc.end; i0 += kTileTok) {
+    const int n = min(kTileTok, bc.end - i0);
+    if (threadIdx.x < kTileTok) sVal[threadIdx.x] = threadIdx.x < n ? ix.vals[i0 + threadIdx.x] : -1;
+    load_rows_async<D, 128>(qp_base, kTileTok, qp, [&](int r) -> const bf16* {
+      return r < n ? qp + (static_cast<int64_t>(ix.vals[i0 + r] / ix.K) * Hp + p) * D : nullptr;
+    });
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+
+    float s[16][4];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+    for (int k0 = 0; k0 < D; k0 += 16) {
+      uint32_t a[4];
+      load_a_mk<RB>(a, qp_base, 16 * warp, k0, lane);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        uint32_t b[4];
+        load_b_nk<RB>(b, kp_base, 16 * j, k0, lane);
+        mma_bf16_16816(s[2 * j], a, b[0], b[1]);
+        mma_bf16_16816(s[2 * j + 1], a, b[2], b[3]);
+      }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = 16 * warp + g4 + 8 * half;
+      const int v = sVal[row];
+      const int tpos = v >= 0 ? static_cast<int>(v / ix.K - bc.seq_start) : -1;
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int key = bc.key0 + 8 * nt + 2 * c4 + e;
+          if (key <= tpos) mx = fmaxf(mx, s[nt][2 * half + e] * scale_p);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int key = bc.key0 + 8 * nt + 2 * c4 + e;
+          if (key <= tpos) sum += __expf(s[nt][2 * half + e] * scale_p - mx);
+        }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      if (c4 == 0 && v >= 0) {
+        const int64_t at = static_cast<int64_t>(p) * TK + v;  // (p, t, slot)
+        part_max[at] = mx;
+        part_sum[at] = sum;
+      }
+    }
+    __syncthreads();  // the next tile overwrites sQp and sVal
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-tile token metadata shared by the two 8-warp kernels.
+struct TokMeta {
+  int32_t tok[kTileTok];   // packed token index, -1 for padding
+  int32_t tpos[kTileTok];  // position inside the sequence, -1 for padding (masks every key)
+  float lse2[kTileTok];    // log2(e) * lse of the current head
+  float aux[kTileTok];     // Di (main) or the student's lse (KL)
+};
+
+// S^T (keys 16w.. x 64 tokens) = Ktile[16w..] . Qtile^T, fp32 accumulators.
+template <int D>
+__device__ __forceinline__ void keys_times_tokens(float (&acc)[8][4], uint32_t k_base, uint32_t q_base,
+                                                  int warp, int lane) {
+  constexpr int RB = D * 2;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+#pragma unroll
+  for (int k0 = 0; k0 < D; k0 += 16) {
+    uint32_t a[4];
+    load_a_mk<RB>(a, k_base, 16 * warp, k0, lane);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint32_t b[4];
+      load_b_nk<RB>(b, q_base, 16 * j, k0, lane);
+      mma_bf16_16816(acc[2 * j], a, b[0], b[1]);
+      mma_bf16_16816(acc[2 * j + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// acc (keys 16w.. x D) += X^T (keys x 64 tokens, in registers) . Ytile (64 tokens x D).
+template <int D>
+__device__ __forceinline__ void accumulate_key_side(float (&acc)[D / 8][4], const float (&x)[8][4],
+                                                    uint32_t y_base, int lane) {
+  constexpr int RB = D * 2;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    uint32_t a[4];
+    acc_to_a(a, x[2 * kk], x[2 * kk + 1]);
+#pragma unroll
+    for (int j = 0; j < D / 16; ++j) {
+      uint32_t b[4];
+      load_b_kn<RB>(b, y_base, 16 * j, 16 * kk, lane);
+      mma_bf16_16816(acc[2 * j], a, b[0], b[1]);
+      mma_bf16_16816(acc[2 * j + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// out (tokens 16(w%4).. x columns (w/4)*D/2 ..) = dS (64 tokens x 128 keys, stored as dS^T) .
+// Ktile (128 keys x D).
+template <int D>
+__device__ __forceinline__ void tokens_times_keys(float (&out)[D / 16][4], uint32_t ds_base, uint32_t k_base,
+                                                  int warp, int lane) {
+  constexpr int RB = D * 2;
+  const int m0 = 16 * (warp & 3), n_base = (warp >> 2) * (D / 2);
+#pragma unroll
+  for (int i = 0; i < D / 16; ++i) out[i][0] = out[i][1] = out[i][2] = out[i][3] = 0.f;
+#pragma unroll
+  for (int k0 = 0; k0 < kBlk; k0 += 16) {
+    uint32_t a[4];
+    load_a_km<128>(a, ds_base, m0, k0, lane);
+#pragma unroll
+    for (int j = 0; j < D / 32; ++j) {
+      uint32_t b[4];
+      load_b_kn<RB>(b, k_base, n_base + 16 * j, k0, lane);
+      mma_bf16_16816(out[2 * j], a, b[0], b[1]);
+      mma_bf16_16816(out[2 * j + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// The head segment s: a maximal run of heads sharing both the proxy head and the kv head.
+// Segments are cut at multiples of m = H/Hp and of r = H/Hkv.
+__device__ __forceinline__ void find_segment(int s, int H, int m, int r, int& h0, int& h1) {
+  int count = -1;
+  h0 = 0;
+  h1 = H;
+  for (int h = 0; h < H; ++h) {
+    if (h % m == 0 || h % r == 0) {
+      ++count;
+      if (count == s) h0 = h;
+      if (count == s + 1) {
+        h1 = h;
+        break;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Main attention backward over one (head segment, key block). Gathered rows are (token, head)
+// pairs of the segment; dq goes out through acc_add, dk/dv stay in registers until the end.
+// The (tile, head) steps are flattened into one sequence and the next step's Q, dO and
+// metadata are fetched (cp.async, second buffer) while the current step computes.
+template <int D>
+constexpr int attn_smem_bytes() {
+  // K, V [128][D]; two stages of Q, dO [64][D]; dS^T [128][64]; two stages of metadata
+  return 2 * kBlk * D * 2 + 4 * kTileTok * D * 2 + kBlk * kTileTok * 2 + 2 * static_cast<int>(sizeof(TokMeta));
+}
+
+template <int D>
+__global__ void __launch_bounds__(256, 1) attn_bwd_kernel(
+    const bf16* __restrict__ q,    // [T, H, D]
+    const bf16* __restrict__ k,    // [T, Hkv, D]
+    const bf16* __restrict__ v,    // [T, Hkv, D]
+    const bf16* __restrict__ d_o,  // [T, H, D]
+    const float* __restrict__ lse, // [H, T]
+    const float* __restrict__ di,  // [T, H] rowsum(dO * O)
+    Index ix, int H, int Hkv, int Hp, float scale,
+    void* __restrict__ dq_acc,     // [T, H, D] fp32 or int64
+    const float* __restrict__ fx,  // [5] fixed-point factors, or null (fp32 atomics)
+    int owned,                     // 1: this CTA is the only writer of its dk/dv rows
+    bf16* __restrict__ dk,         // [T, Hkv, D] (owned)
+    bf16* __restrict__ dv,         // [T, Hkv, D] (owned)
+    void* __restrict__ dk_acc,     // [T, Hkv, D] (not owned)
+    void* __restrict__ dv_acc) {   // [T, Hkv, D] (not owned)
+  constexpr int RB = D * 2;
+  constexpr int kTileBytes = kTileTok * RB;
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* sK = smem;                      // [128][D]
+  unsigned char* sV = sK + kBlk * RB;            // [128][D]
+  unsigned char* sQ = sV + kBlk * RB;            // 2 x [64][D]
+  unsigned char* sdO = sQ + 2 * kTileBytes;      // 2 x [64][D]
+  unsigned char* sdS = sdO + 2 * kTileBytes;     // [128][64] dS^T
+  TokMeta* tms = reinterpret_cast<TokMeta*>(sdS + kBlk * kTileTok * 2);  // 2 stages
+  const uint32_t k_base = smem_u32(sK), v_base = smem_u32(sV), ds_base = smem_u32(sdS);
+
+  const int g = blockIdx.x;
+  const int m = H / Hp, r = H / Hkv;
+  int h0, h1;
+  find_segment(blockIdx.y, H, m, r, h0, h1);
+  const int p = h0 / m, kvh = h0 / r;
+  const BlockCtx bc = block_ctx(ix, p, g);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g4 = lane >> 2, c4 = lane & 3;
+  const float fx_q = fx ? fx[0] : 0.f;
+  const float scale2 = scale * kLog2e;
+  const int nh = h1 - h0;
+  const int steps = (bc.end - bc.begin + kTileTok - 1) / kTileTok * nh;
+
+  float dK[D / 8][4], dV[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dK[i][e] = dV[i][e] = 0.f;
+
+  if (steps > 0) {
+    auto key_row = [&](const bf16* base, int rr) -> const bf16* {
+      return bc.key0 + rr < bc.seq_len ? base + ((bc.seq_start + bc.key0 + rr) * Hkv + kvh) * D : nullptr;
+    };
+    load_rows_async<D, 256>(k_base, kBlk, k, [&](int rr) { return key_row(k, rr); });
+    load_rows_async<D, 256>(v_base, kBlk, v, [&](int rr) { return key_row(v, rr); });
+  }
+
+  // Issues the loads of step `it` into stage `st` and commits them as one group.
+  auto issue = [&](int it, int st) {
+    const int i0 = bc.begin + (it / nh) * kTileTok, h = h0 + it % nh;
+    const int n = min(kTileTok, bc.end - i0);
+    auto tok_row = [&](const bf16* base, int rr) -> const bf16* {
+      return rr < n ? base + (static_cast<int64_t>(ix.vals[i0 + rr] / ix.K) * H + h) * D : nullptr;
+    };
+    load_rows_async<D, 256>(smem_u32(sQ + st * kTileBytes), kTileTok, q, [&](int rr) { return tok_row(q, rr); });
+    load_rows_async<D, 256>(smem_u32(sdO + st * kTileBytes), kTileTok, d_o, [&](int rr) { return tok_row(d_o, rr); });
+    cp_async_commit();
+    if (threadIdx.x < kTileTok) {
+      TokMeta& tm = tms[st];
+      const int rr = threadIdx.x;
+      const int t = rr < n ? ix.vals[i0 + rr] / ix.K : -1;
+      tm.tok[rr] = t;
+      tm.tpos[rr] = t >= 0 ? static_cast<int>(t - bc.seq_start) : -1;
+      tm.lse2[rr] = t >= 0 ? lse[static_cast<int64_t>(h) * ix.T + t] * kLog2e : 0.f;
+      tm.aux[rr] = t >= 0 ? di[static_cast<int64_t>(t) * H + h] : 0.f;
+    }
+  };
+  if (steps > 0) issue(0, 0);
+
+  for (int it = 0; it < steps; ++it) {
+    const int st = it & 1;
+    const int h = h0 + it % nh;
+    if (it + 1 < steps) {
+      issue(it + 1, st ^ 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const TokMeta& tm = tms[st];
+    const uint32_t q_base = smem_u32(sQ + st * kTileBytes), do_base = smem_u32(sdO + st * kTileBytes);
+
+    float sT[8][4], dpT[8][4];
+    keys_times_tokens<D>(sT, k_base, q_base, warp, lane);
+    keys_times_tokens<D>(dpT, v_base, do_base, warp, lane);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = bc.key0 + 16 * warp + g4 + 8 * (e >> 1);
+        const int col = 8 * nt + 2 * c4 + (e & 1);
+        const float pr = key <= tm.tpos[col] ? exp2f(sT[nt][e] * scale2 - tm.lse2[col]) : 0.f;
+        sT[nt][e] = pr;
+        dpT[nt][e] = pr * (dpT[nt][e] - tm.aux[col]);
+      }
+    accumulate_key_side<D>(dV, sT, do_base, lane);
+    accumulate_key_side<D>(dK, dpT, q_base, lane);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const int row = 16 * warp + g4, col = 8 * nt + 2 * c4;
+      store_pair_64(sdS, row, col, dpT[nt][0], dpT[nt][1]);
+      store_pair_64(sdS, row + 8, col, dpT[nt][2], dpT[nt][3]);
+    }
+    __syncthreads();
+
+    float dq[D / 16][4];
+    tokens_times_keys<D>(dq, ds_base, k_base, warp, lane);
+    const int n_base = (warp >> 2) * (D / 2);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = 16 * (warp & 3) + g4 + 8 * half;
+      const int t = tm.tok[row];
+      if (t < 0) continue;
+      const int64_t at = (static_cast<int64_t>(t) * H + h) * D + n_base + 2 * c4;
+#pragma unroll
+      for (int nt = 0; nt < D / 16; ++nt) {
+        acc_add(dq_acc, at + 8 * nt, dq[nt][2 * half] * scale, fx_q);
+        acc_add(dq_acc, at + 8 * nt + 1, dq[nt][2 * half + 1] * scale, fx_q);
+      }
+    }
+    __syncthreads();  // this stage and sdS are rewritten by the next steps
+  }
+
+  // dk, dv rows of this warp's keys; rows past the sequence end belong to another sequence.
+  const float fx_k = fx ? fx[1] : 0.f, fx_v = fx ? fx[2] : 0.f;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int key = bc.key0 + 16 * warp + g4 + 8 * half;
+    if (key >= bc.seq_len) continue;
+    const int64_t at = ((bc.seq_start + key) * Hkv + kvh) * D + 2 * c4;
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+      const float k0v = dK[nt][2 * half] * scale, k1v = dK[nt][2 * half + 1] * scale;
+      const float v0v = dV[nt][2 * half], v1v = dV[nt][2 * half + 1];
+      if (owned) {
+        *reinterpret_cast<uint32_t*>(dk + at + 8 * nt) = pack_bf16x2(k0v, k1v);
+        *reinterpret_cast<uint32_t*>(dv + at + 8 * nt) = pack_bf16x2(v0v, v1v);
+      } else {
+        acc_add(dk_acc, at + 8 * nt, k0v, fx_k);
+        acc_add(dk_acc, at + 8 * nt + 1, k1v, fx_k);
+        acc_add(dv_acc, at + 8 * nt, v0v, fx_v);
+        acc_add(dv_acc, at + 8 * nt + 1, v1v, fx_v);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The proxy's KL over one (proxy head p, key block): teacher from the group's m heads, student
+// from the proxy scores and the merged student lse, dS = c (Qs - Tch), dqp (atomics), dkp
+// (registers), and the block's share of sum KL[p, t]. Steps are (tile, head of the group);
+// the next step's Q (and, at a tile's first head, its qp and metadata) load while the current
+// step computes. A step whose kv head differs from the previous one (groups spanning kv heads)
+// is loaded only after the current step, since it replaces the resident K.
+template <int D>
+constexpr int kl_smem_bytes() {
+  // K, Kp [128][D]; two stages of Q and of Qp [64][D]; dS^T [128][64]; metadata
+  return 2 * kBlk * D * 2 + 4 * kTileTok * D * 2 + kBlk * kTileTok * 2 +
+         2 * static_cast<int>(sizeof(TokMeta)) + 2 * kTileTok * 4 + 64;
+}
+
+template <int D>
+__global__ void __launch_bounds__(256, 1) kl_bwd_kernel(
+    const bf16* __restrict__ q,      // [T, H, D]
+    const bf16* __restrict__ k,      // [T, Hkv, D]
+    const bf16* __restrict__ qp,     // [T, Hp, D]
+    const bf16* __restrict__ kp,     // [T, Hpk, D]
+    const float* __restrict__ lse,   // [H, T]
+    const float* __restrict__ lse_s, // [Hp, T] the student's lse over its selected keys
+    Index ix, int H, int Hkv, int Hp, int Hpk, float scale, float scale_p,
+    float c_base,                    // kl_coeff / (Hp*T); times g gives the dS factor
+    const float* __restrict__ kl_grad,  // [1] or null (g = 1)
+    void* __restrict__ dqp_acc,      // [T, Hp, D] fp32 or int64
+    const float* __restrict__ fx,    // [5] or null
+    int owned,                       // 1: Hp == Hpk, this CTA is the only writer of its dkp rows
+    bf16* __restrict__ dkp,          // [T, Hpk, D] (owned)
+    void* __restrict__ dkp_acc,      // [T, Hpk, D] (not owned)
+    float* __restrict__ kl_part) {   // [Hp, NB] sum of KL terms of this block
+  constexpr int RB = D * 2;
+  constexpr int kTileBytes = kTileTok * RB;
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* sK = smem;                      // [128][D] main keys of the current kv head
+  unsigned char* sKp = sK + kBlk * RB;           // [128][D] proxy keys
+  unsigned char* sQ = sKp + kBlk * RB;           // 2 x [64][D] main queries (per step)
+  unsigned char* sQp = sQ + 2 * kTileBytes;      // 2 x [64][D] proxy queries (per tile)
+  unsigned char* sdS = sQp + 2 * kTileBytes;     // [128][64] dS^T
+  TokMeta* tms = reinterpret_cast<TokMeta*>(sdS + kBlk * kTileTok * 2);  // per tile parity
+  float* lse2s = reinterpret_cast<float*>(tms + 2);                    // [2][64] per step parity
+  float* red = lse2s + 2 * kTileTok;                                   // [8]
+  const uint32_t k_base = smem_u32(sK), kp_base = smem_u32(sKp), ds_base = smem_u32(sdS);
+
+  const int g = blockIdx.x, p = blockIdx.y;
+  const int m = H / Hp, r = H / Hkv, pk = p / (Hp / Hpk);
+  const BlockCtx bc = block_ctx(ix, p, g);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g4 = lane >> 2, c4 = lane & 3;
+  const float fx_qp = fx ? fx[3] : 0.f;
+  const float scale2 = scale * kLog2e;
+  const float c = c_base * (kl_grad ? *kl_grad : 1.f);
+  const float inv_m = 1.f / static_cast<float>(m);
+  const int steps = (bc.end - bc.begin + kTileTok - 1) / kTileTok * m;
+
+  float dKp[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) dKp[i][0] = dKp[i][1] = dKp[i][2] = dKp[i][3] = 0.f;
+  float kl = 0.f;
+
+  auto key_row = [&](const bf16* base, int heads, int head, int rr) -> const bf16* {
+    return bc.key0 + rr < bc.seq_len ? base + ((bc.seq_start + bc.key0 + rr) * heads + head) * D : nullptr;
+  };
+  auto kv_of = [&](int it) { return (p * m + it % m) / r; };
+  if (steps > 0)
+    load_rows_async<D, 256>(kp_base, kBlk, kp, [&](int rr) { return key_row(kp, Hpk, pk, rr); });
+
+  auto issue = [&](int it) {
+    const int tile = it / m, h = p * m + it % m, st = it & 1, tst = tile & 1;
+    const int i0 = bc.begin + tile * kTileTok;
+    const int n = min(kTileTok, bc.end - i0);
+    auto tok_of = [&](int rr) { return static_cast<int64_t>(ix.vals[i0 + rr] / ix.K); };
+    if (it == 0 || kv_of(it) != kv_of(it - 1)) {
+      const int kvh = kv_of(it);
+      load_rows_async<D, 256>(k_base, kBlk, k, [&](int rr) { return key_row(k, Hkv, kvh, rr); });
+    }
+    if (it % m == 0) {
+      load_rows_async<D, 256>(smem_u32(sQp + tst * kTileBytes), kTileTok, qp, [&](int rr) -> const bf16* {
+        return rr < n ? qp + (tok_of(rr) * Hp + p) * D : nullptr;
+      });
+    }
+    load_rows_async<D, 256>(smem_u32(sQ + st * kTileBytes), kTileTok, q, [&](int rr) -> const bf16* {
+      return rr < n ? q + (tok_of(rr) * H + h) * D : nullptr;
+    });
+    cp_async_commit();
+    if (threadIdx.x < kTileTok) {
+      const int rr = threadIdx.x;
+      const int64_t t = rr < n ? tok_of(rr) : -1;
+      lse2s[st * kTileTok + rr] = t >= 0 ? lse[static_cast<int64_t>(h) * ix.T + t] * kLog2e : 0.f;
+      if (it % m == 0) {
+        TokMeta& tm = tms[tst];
+        tm.tok[rr] = static_cast<int32_t>(t);
+        tm.tpos[rr] = t >= 0 ? static_cast<int>(t - bc.seq_start) : -1;
+        tm.aux[rr] = t >= 0 ? lse_s[static_cast<int64_t>(p) * ix.T + t] : 0.f;
+      }
+    }
+  };
+  if (steps > 0) issue(0);
+
+  float tch[8][4];
+  for (int it = 0; it < steps; ++it) {
+    const int st = it & 1, tile = it / m, tst = tile & 1;
+    const bool has_next = it + 1 < steps;
+    const bool deferred = has_next && kv_of(it + 1) != kv_of(it);
+    if (has_next && !deferred) {
+      issue(it + 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const TokMeta& tm = tms[tst];
+
+    // Teacher: Tch^T = (1/m) sum over the group's heads of P^T.
+    if (it % m == 0) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) tch[i][0] = tch[i][1] = tch[i][2] = tch[i][3] = 0.f;
+    }
+    {
+      float sT[8][4];
+      keys_times_tokens<D>(sT, k_base, smem_u32(sQ + st * kTileBytes), warp, lane);
+      const float* lse2 = lse2s + st * kTileTok;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = bc.key0 + 16 * warp + g4 + 8 * (e >> 1);
+          const int col = 8 * nt + 2 * c4 + (e & 1);
+          if (key <= tm.tpos[col]) tch[nt][e] += exp2f(sT[nt][e] * scale2 - lse2[col]);
+        }
+    }
+
+    if (it % m == m - 1) {
+      // Student and the KL gradient for this tile.
+      const uint32_t qp_base = smem_u32(sQp + tst * kTileBytes);
+      float s[8][4];
+      keys_times_tokens<D>(s, kp_base, qp_base, warp, lane);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = bc.key0 + 16 * warp + g4 + 8 * (e >> 1);
+          const int col = 8 * nt + 2 * c4 + (e & 1);
+          float ds = 0.f;
+          if (key <= tm.tpos[col]) {
+            const float log_qs = s[nt][e] * scale_p - tm.aux[col];
+            const float te = tch[nt][e] * inv_m;
+            if (te > 0.f) kl += te * (__logf(te) - log_qs);
+            ds = c * (__expf(log_qs) - te);
+          }
+          s[nt][e] = ds;
+        }
+      accumulate_key_side<D>(dKp, s, qp_base, lane);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const int row = 16 * warp + g4, col = 8 * nt + 2 * c4;
+        store_pair_64(sdS, row, col, s[nt][0], s[nt][1]);
+        store_pair_64(sdS, row + 8, col, s[nt][2], s[nt][3]);
+      }
+      __syncthreads();
+      float dq[D / 16][4];
+      tokens_times_keys<D>(dq, ds_base, kp_base, warp, lane);
+      const int n_base = (warp >> 2) * (D / 2);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = 16 * (warp & 3) + g4 + 8 * half;
+        const int t = tm.tok[row];
+        if (t < 0) continue;
+        const int64_t at = (static_cast<int64_t>(t) * Hp + p) * D + n_base + 2 * c4;
+#pragma unroll
+        for (int nt = 0; nt < D / 16; ++nt) {
+          acc_add(dqp_acc, at + 8 * nt, dq[nt][2 * half] * scale_p, fx_qp);
+          acc_add(dqp_acc, at + 8 * nt + 1, dq[nt][2 * half + 1] * scale_p, fx_qp);
+        }
+      }
+    }
+    __syncthreads();  // stages, sdS and (for a deferred step) sK are rewritten next
+    if (deferred) issue(it + 1);
+  }
+
+  const float fx_kp = fx ? fx[4] : 0.f;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int key = bc.key0 + 16 * warp + g4 + 8 * half;
+    if (key >= bc.seq_len) continue;
+    const int64_t at = ((bc.seq_start + key) * Hpk + pk) * D + 2 * c4;
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+      const float x0 = dKp[nt][2 * half] * scale_p, x1 = dKp[nt][2 * half + 1] * scale_p;
+      if (owned) {
+        *reinterpret_cast<uint32_t*>(dkp + at + 8 * nt) = pack_bf16x2(x0, x1);
+      } else {
+        acc_add(dkp_acc, at + 8 * nt, x0, fx_kp);
+        acc_add(dkp_acc, at + 8 * nt + 1, x1, fx_kp);
+      }
+    }
+  }
+
+  // The block's KL share, reduced in a fixed order (deterministic in every mode).
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) kl += __shfl_xor_sync(0xffffffffu, kl, off);
+  if (lane == 0) red[warp] = kl;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float total = 0.f;
+    for (int w = 0; w < 8; ++w) total += red[w];
+    kl_part[static_cast<int64_t>(p) * ix.NB + g] = total;
+  }
+}
+
+}  // namespace flashmsa::cuda::bwd

@@ -1,0 +1,284 @@
+// GPU fused backward (dq, dk, dv, dqp, dkp, KL) against the CPU backend through the public API,
+// on the same random valid selection and the same forward outputs (the CPU forward's o and
+// lse, so this suite does not depend on the GPU forward). Gradients are poisoned before every
+// GPU call, so an element the GPU never writes fails.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "flashmsa/flashmsa.h"
+#include "gpu_test_util.h"
+
+namespace {
+
+using flashmsa::DType;
+using gputest::DeviceBuffer;
+using gputest::Problem;
+using gputest::Shape;
+
+// A valid selection that is not the top-K one: for each (p, t) the local block plus random
+// other visible blocks, ascending, -1 padding. The backward must take any valid selection.
+std::vector<int32_t> random_selection(const Problem& pr, std::mt19937_64& rng) {
+  const Shape& s = pr.s;
+  std::vector<int32_t> sel(static_cast<size_t>(s.Hp * pr.T * s.K), -1);
+  for (int p = 0; p < s.Hp; ++p)
+    for (int b = 0; b < pr.B; ++b)
+      for (int64_t t = pr.cu[b]; t < pr.cu[b + 1]; ++t) {
+        const int n_loc = static_cast<int>(t - pr.cu[b]) / 128;
+        std::vector<int> blocks(n_loc);
+        for (int i = 0; i < n_loc; ++i) blocks[i] = i;
+        std::shuffle(blocks.begin(), blocks.end(), rng);
+        const int take = std::min(s.K - 1, n_loc);
+        blocks.resize(take);
+        blocks.push_back(n_loc);
+        std::sort(blocks.begin(), blocks.end());
+        int32_t* row = sel.data() + (static_cast<int64_t>(p) * pr.T + t) * s.K;
+        for (size_t i = 0; i < blocks.size(); ++i) row[i] = blocks[i];
+      }
+  return sel;
+}
+
+struct Grads {
+  std::vector<double> dq, dk, dv, dqp, dkp;
+  float kl = 0;
+  std::vector<uint16_t> raw;  // all gradients' bits, for the bitwise comparisons
+};
+
+struct Setup {
+  Problem pr;
+  std::vector<int32_t> sel;
+  std::vector<uint16_t> o, d_o;
+  std::vector<float> lse;
+  float kl_grad = 1.f;
+  bool pass_kl_grad = false;
+  flashmsa::Options opt;
+};
+
+void make_setup(Setup& st, const Shape& s, uint64_t seed, bool pass_kl_grad, float kl_grad) {
+  gputest::make_problem(st.pr, s, seed);
+  std::mt19937_64 rng(seed * 7919 + 13);
+  st.sel = random_selection(st.pr, rng);
+  st.d_o = gputest::random_bf16(static_cast<size_t>(st.pr.T * s.H * s.D), rng);
+  st.opt = st.pr.options();
+  st.pass_kl_grad = pass_kl_grad;
+  st.kl_grad = kl_grad;
+  // The CPU forward gives o and lse for both backends.
+  st.o.assign(static_cast<size_t>(st.pr.T * s.H * s.D), 0);
+  st.lse.assign(static_cast<size_t>(s.H * st.pr.T), 0.f);
+  const int64_t T = st.pr.T;
+  flashmsa::sparse_attention_forward(st.pr.host_inputs(),
+                                     flashmsa::make_view(st.sel.data(), DType::int32, {s.Hp, T, s.K}),
+                                     st.opt, flashmsa::make_view(st.o.data(), DType::bf16, {T, s.H, s.D}),
+                                     flashmsa::make_view(st.lse.data(), DType::fp32, {s.H, T}));
+}
+
+Grads run_cpu(Setup& st) {
+  const Shape& s = st.pr.s;
+  const int64_t T = st.pr.T;
+  std::vector<uint16_t> dq(T * s.H * s.D, 0xFFFF), dk(T * s.Hkv * s.D, 0xFFFF), dv(T * s.Hkv * s.D, 0xFFFF),
+      dqp(T * s.Hp * s.D, 0xFFFF), dkp(T * s.Hpk * s.D, 0xFFFF);
+  float kl = std::nanf("");
+  flashmsa::Gradients g;
+  g.dq = flashmsa::make_view(dq.data(), DType::bf16, {T, s.H, s.D});
+  g.dk = flashmsa::make_view(dk.data(), DType::bf16, {T, s.Hkv, s.D});
+  g.dv = flashmsa::make_view(dv.data(), DType::bf16, {T, s.Hkv, s.D});
+  g.dqp = flashmsa::make_view(dqp.data(), DType::bf16, {T, s.Hp, s.D});
+  g.dkp = flashmsa::make_view(dkp.data(), DType::bf16, {T, s.Hpk, s.D});
+  flashmsa::fused_backward(
+      st.pr.host_inputs(), flashmsa::make_view(st.sel.data(), DType::int32, {s.Hp, T, s.K}),
+      flashmsa::make_view(st.o.data(), DType::bf16, {T, s.H, s.D}),
+      flashmsa::make_view(st.lse.data(), DType::fp32, {s.H, T}),
+      flashmsa::make_view(st.d_o.data(), DType::bf16, {T, s.H, s.D}),
+      st.pass_kl_grad ? flashmsa::make_view(&st.kl_grad, DType::fp32, {1}) : flashmsa::TensorView(), st.opt, g,
+      flashmsa::make_view(&kl, DType::fp32, {1}));
+  Grads r;
+  r.dq = gputest::bf16_to_doubles(dq);
+  r.dk = gputest::bf16_to_doubles(dk);
+  r.dv = gputest::bf16_to_doubles(dv);
+  r.dqp = gputest::bf16_to_doubles(dqp);
+  r.dkp = gputest::bf16_to_doubles(dkp);
+  r.kl = kl;
+  return r;
+}
+
+// Device copies of the backward's inputs, uploaded once and reused by repeated runs.
+struct DeviceSide {
+  DeviceBuffer sel, o, lse, d_o, kl_grad, dq, dk, dv, dqp, dkp, kl;
+};
+
+void upload(DeviceSide& d, const Setup& st) {
+  const Shape& s = st.pr.s;
+  const int64_t T = st.pr.T;
+  d.sel = DeviceBuffer(st.sel.size() * 4);
+  d.sel.upload(st.sel);
+  d.o = DeviceBuffer(st.o.size() * 2);
+  d.o.upload(st.o);
+  d.lse = DeviceBuffer(st.lse.size() * 4);
+  d.lse.upload(st.lse);
+  d.d_o = DeviceBuffer(st.d_o.size() * 2);
+  d.d_o.upload(st.d_o);
+  d.kl_grad = DeviceBuffer(4);
+  d.kl_grad.upload(std::vector<float>{st.kl_grad});
+  d.dq = DeviceBuffer(static_cast<size_t>(T * s.H * s.D) * 2);
+  d.dk = DeviceBuffer(static_cast<size_t>(T * s.Hkv * s.D) * 2);
+  d.dv = DeviceBuffer(static_cast<size_t>(T * s.Hkv * s.D) * 2);
+  d.dqp = DeviceBuffer(static_cast<size_t>(T * s.Hp * s.D) * 2);
+  d.dkp = DeviceBuffer(static_cast<size_t>(T * s.Hpk * s.D) * 2);
+  d.kl = DeviceBuffer(4);
+}
+
+Grads run_gpu(DeviceSide& d, const Setup& st, bool deterministic) {
+  const Shape& s = st.pr.s;
+  const int64_t T = st.pr.T;
+  for (DeviceBuffer* b : {&d.dq, &d.dk, &d.dv, &d.dqp, &d.dkp, &d.kl}) b->fill(gputest::kFloatPoison);
+  flashmsa::Gradients g;
+  g.dq = gputest::dview(d.dq, DType::bf16, {T, s.H, s.D});
+  g.dk = gputest::dview(d.dk, DType::bf16, {T, s.Hkv, s.D});
+  g.dv = gputest::dview(d.dv, DType::bf16, {T, s.Hkv, s.D});
+  g.dqp = gputest::dview(d.dqp, DType::bf16, {T, s.Hp, s.D});
+  g.dkp = gputest::dview(d.dkp, DType::bf16, {T, s.Hpk, s.D});
+  flashmsa::Options opt = st.opt;
+  opt.deterministic = deterministic;
+  flashmsa::fused_backward(st.pr.device_inputs(), gputest::dview(d.sel, DType::int32, {s.Hp, T, s.K}),
+                           gputest::dview(d.o, DType::bf16, {T, s.H, s.D}),
+                           gputest::dview(d.lse, DType::fp32, {s.H, T}),
+                           gputest::dview(d.d_o, DType::bf16, {T, s.H, s.D}),
+                           st.pass_kl_grad ? gputest::dview(d.kl_grad, DType::fp32, {1}) : flashmsa::TensorView(),
+                           opt, g, gputest::dview(d.kl, DType::fp32, {1}));
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  Grads r;
+  auto take = [&](const DeviceBuffer& b, std::vector<double>& out) {
+    auto bits = b.download<uint16_t>();
+    out = gputest::bf16_to_doubles(bits);
+    r.raw.insert(r.raw.end(), bits.begin(), bits.end());
+  };
+  take(d.dq, r.dq);
+  take(d.dk, r.dk);
+  take(d.dv, r.dv);
+  take(d.dqp, r.dqp);
+  take(d.dkp, r.dkp);
+  r.kl = d.kl.download<float>()[0];
+  return r;
+}
+
+void compare(const Grads& gpu, const Grads& cpu, const std::string& what) {
+  const char* names[5] = {"dq", "dk", "dv", "dqp", "dkp"};
+  const std::vector<double>* g[5] = {&gpu.dq, &gpu.dk, &gpu.dv, &gpu.dqp, &gpu.dkp};
+  const std::vector<double>* c[5] = {&cpu.dq, &cpu.dk, &cpu.dv, &cpu.dqp, &cpu.dkp};
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_EQ(gputest::count_nonfinite(*g[i]), 0) << what << ": " << names[i] << " has unwritten/non-finite elements";
+    EXPECT_EQ(gputest::count_nonfinite(*c[i]), 0) << what << ": CPU " << names[i] << " non-finite";
+    const double e = gputest::rel_l2(*g[i], *c[i]);
+    EXPECT_LT(e, 1e-2) << what << ": " << names[i] << " rel L2 vs CPU";
+    std::printf("  %s %-4s rel L2 %.3e\n", what.c_str(), names[i], e);
+  }
+  const double kl_rel = std::fabs(gpu.kl - cpu.kl) / std::max(1e-30, std::fabs(static_cast<double>(cpu.kl)));
+  EXPECT_LT(kl_rel, 1e-2) << what << ": kl gpu " << gpu.kl << " cpu " << cpu.kl;
+  std::printf("  %s kl gpu %.6g cpu %.6g\n", what.c_str(), gpu.kl, cpu.kl);
+}
+
+void check_backward(const Shape& s, uint64_t seed, bool pass_kl_grad = false, float kl_grad = 1.f,
+                    bool deterministic_too = false) {
+  Setup st;
+  make_setup(st, s, seed, pass_kl_grad, kl_grad);
+  const Grads cpu = run_cpu(st);
+  DeviceSide d;
+  upload(d, st);
+  const Grads gpu = run_gpu(d, st, false);
+  compare(gpu, cpu, "fast");
+  if (deterministic_too) {
+    const Grads first = run_gpu(d, st, true);
+    compare(first, cpu, "det");
+    for (int run = 1; run < 5; ++run) {
+      const Grads again = run_gpu(d, st, true);
+      EXPECT_TRUE(again.raw == first.raw) << "deterministic run " << run << " differs bitwise";
+      EXPECT_EQ(std::memcmp(&again.kl, &first.kl, 4), 0) << "deterministic kl differs in run " << run;
+    }
+  }
+}
+
+Shape shape(int H, int Hkv, int Hp, int Hpk, int D, int K, std::vector<int> lengths) {
+  Shape s;
+  s.H = H;
+  s.Hkv = Hkv;
+  s.Hp = Hp;
+  s.Hpk = Hpk;
+  s.D = D;
+  s.K = K;
+  s.lengths = std::move(lengths);
+  return s;
+}
+
+TEST(CudaBackward, GroupOfFourD64) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_backward(shape(4, 1, 1, 1, 64, 4, {700}), 11);
+}
+
+TEST(CudaBackward, M3LikeD128SeveralSequencesKlGrad) {
+  GPUTEST_REQUIRE_DEVICE();
+  // m = 4 heads per proxy head, dkp shared by both proxy heads, g != 1.
+  check_backward(shape(8, 2, 2, 1, 128, 3, {300, 1000, 5, 129}), 12, true, 0.7f, true);
+}
+
+TEST(CudaBackward, OneHeadPerProxyHeadHpkEqualsHp) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_backward(shape(2, 2, 2, 2, 64, 2, {513, 64}), 13);
+}
+
+TEST(CudaBackward, LocalOnlyK1) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_backward(shape(4, 2, 1, 1, 64, 1, {400}), 14);
+}
+
+TEST(CudaBackward, KvHeadSharedByTwoGroups) {
+  GPUTEST_REQUIRE_DEVICE();
+  // m = 3, H/Hkv = 2: kv head 1 serves heads of both groups (dk/dv through accumulators).
+  check_backward(shape(6, 3, 2, 1, 64, 2, {260, 100}), 15, true, -1.3f, true);
+}
+
+TEST(CudaBackward, MoreProxyHeadsThanKvHeads) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_backward(shape(4, 1, 4, 2, 128, 2, {384}), 16);
+}
+
+TEST(CudaBackward, ManyShortSequencesWithEmptyOnes) {
+  GPUTEST_REQUIRE_DEVICE();
+  std::mt19937_64 rng(17);
+  std::vector<int> lengths;
+  for (int i = 0; i < 300; ++i) lengths.push_back(i % 37 == 5 ? 0 : 1 + static_cast<int>(rng() % 150));
+  check_backward(shape(4, 1, 2, 2, 64, 2, lengths), 17);
+}
+
+TEST(CudaBackward, FewerVisibleBlocksThanK) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_backward(shape(4, 1, 1, 1, 128, 16, {1100, 77}), 18, true, 2.f);
+}
+
+TEST(CudaBackward, EmptyBatchWritesZeroKl) {
+  GPUTEST_REQUIRE_DEVICE();
+  Shape s = shape(4, 1, 1, 1, 64, 4, {});
+  Problem pr;
+  gputest::make_problem(pr, s, 19);
+  DeviceBuffer sel(0), o(0), lse(0), d_o(0), dq(0), dk(0), dv(0), dqp(0), dkp(0), kl(4);
+  kl.fill(gputest::kFloatPoison);
+  flashmsa::Gradients g;
+  g.dq = gputest::dview(dq, DType::bf16, {0, 4, 64});
+  g.dk = gputest::dview(dk, DType::bf16, {0, 1, 64});
+  g.dv = gputest::dview(dv, DType::bf16, {0, 1, 64});
+  g.dqp = gputest::dview(dqp, DType::bf16, {0, 1, 64});
+  g.dkp = gputest::dview(dkp, DType::bf16, {0, 1, 64});
+  flashmsa::fused_backward(pr.device_inputs(), gputest::dview(sel, DType::int32, {1, 0, 4}),
+                           gputest::dview(o, DType::bf16, {0, 4, 64}), gputest::dview(lse, DType::fp32, {4, 0}),
+                           gputest::dview(d_o, DType::bf16, {0, 4, 64}), flashmsa::TensorView(), pr.options(), g,
+                           gputest::dview(kl, DType::fp32, {1}));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(kl.download<float>()[0], 0.f);
+}
+
+}  // namespace

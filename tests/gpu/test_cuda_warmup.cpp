@@ -1,0 +1,122 @@
+// GPU dense warm-up forward and backward against the CPU backend through the public API.
+// The GPU forward's o and lse feed the GPU backward (the CPU backward gets the CPU's own), so
+// this suite also exercises the sparse forward kernel over the all-visible-blocks selection.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "flashmsa/flashmsa.h"
+#include "gpu_test_util.h"
+
+namespace {
+
+using flashmsa::DType;
+using gputest::DeviceBuffer;
+using gputest::Problem;
+using gputest::Shape;
+
+void check_warmup(const Shape& s, uint64_t seed) {
+  Problem pr;
+  gputest::make_problem(pr, s, seed);
+  const int64_t T = pr.T;
+  std::mt19937_64 rng(seed + 101);
+  std::vector<uint16_t> d_o = gputest::random_bf16(static_cast<size_t>(T * s.H * s.D), rng);
+  flashmsa::Options opt = pr.options();
+  opt.mode = flashmsa::Mode::warmup;
+  float kl_grad = 0.6f;
+
+  // ---- CPU ----
+  std::vector<uint16_t> o_c(T * s.H * s.D, 0xFFFF);
+  std::vector<float> lse_c(s.H * T, std::nanf(""));
+  float kl_fc = std::nanf(""), kl_bc = std::nanf("");
+  flashmsa::dense_warmup_forward(pr.host_inputs(), opt, flashmsa::make_view(o_c.data(), DType::bf16, {T, s.H, s.D}),
+                                 flashmsa::make_view(lse_c.data(), DType::fp32, {s.H, T}),
+                                 flashmsa::make_view(&kl_fc, DType::fp32, {1}));
+  std::vector<uint16_t> dq_c(T * s.H * s.D), dk_c(T * s.Hkv * s.D), dv_c(T * s.Hkv * s.D), dqp_c(T * s.Hp * s.D),
+      dkp_c(T * s.Hpk * s.D);
+  flashmsa::Gradients gc;
+  gc.dq = flashmsa::make_view(dq_c.data(), DType::bf16, {T, s.H, s.D});
+  gc.dk = flashmsa::make_view(dk_c.data(), DType::bf16, {T, s.Hkv, s.D});
+  gc.dv = flashmsa::make_view(dv_c.data(), DType::bf16, {T, s.Hkv, s.D});
+  gc.dqp = flashmsa::make_view(dqp_c.data(), DType::bf16, {T, s.Hp, s.D});
+  gc.dkp = flashmsa::make_view(dkp_c.data(), DType::bf16, {T, s.Hpk, s.D});
+  flashmsa::dense_warmup_backward(pr.host_inputs(), flashmsa::make_view(o_c.data(), DType::bf16, {T, s.H, s.D}),
+                                  flashmsa::make_view(lse_c.data(), DType::fp32, {s.H, T}),
+                                  flashmsa::make_view(d_o.data(), DType::bf16, {T, s.H, s.D}),
+                                  flashmsa::make_view(&kl_grad, DType::fp32, {1}), opt, gc,
+                                  flashmsa::make_view(&kl_bc, DType::fp32, {1}));
+
+  // ---- GPU (through msa_forward / msa_backward with mode = warmup) ----
+  auto in = pr.device_inputs();
+  DeviceBuffer o(T * s.H * s.D * 2), lse(s.H * T * 4), kl_f(4), kl_b(4), dO(T * s.H * s.D * 2), g(4);
+  DeviceBuffer dq(T * s.H * s.D * 2), dk(T * s.Hkv * s.D * 2), dv(T * s.Hkv * s.D * 2), dqp(T * s.Hp * s.D * 2),
+      dkp(T * s.Hpk * s.D * 2);
+  dO.upload(d_o);
+  g.upload(std::vector<float>{kl_grad});
+  for (DeviceBuffer* b : {&o, &lse, &kl_f, &kl_b, &dq, &dk, &dv, &dqp, &dkp}) b->fill(gputest::kFloatPoison);
+  flashmsa::msa_forward(in, opt, flashmsa::TensorView(), gputest::dview(o, DType::bf16, {T, s.H, s.D}),
+                        gputest::dview(lse, DType::fp32, {s.H, T}), gputest::dview(kl_f, DType::fp32, {1}));
+  flashmsa::Gradients gg;
+  gg.dq = gputest::dview(dq, DType::bf16, {T, s.H, s.D});
+  gg.dk = gputest::dview(dk, DType::bf16, {T, s.Hkv, s.D});
+  gg.dv = gputest::dview(dv, DType::bf16, {T, s.Hkv, s.D});
+  gg.dqp = gputest::dview(dqp, DType::bf16, {T, s.Hp, s.D});
+  gg.dkp = gputest::dview(dkp, DType::bf16, {T, s.Hpk, s.D});
+  flashmsa::msa_backward(in, flashmsa::TensorView(), gputest::dview(o, DType::bf16, {T, s.H, s.D}),
+                         gputest::dview(lse, DType::fp32, {s.H, T}), gputest::dview(dO, DType::bf16, {T, s.H, s.D}),
+                         gputest::dview(g, DType::fp32, {1}), opt, gg, gputest::dview(kl_b, DType::fp32, {1}));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+
+  auto cmp = [&](const char* name, const DeviceBuffer& gpu, const std::vector<uint16_t>& cpu) {
+    const auto got = gputest::bf16_to_doubles(gpu.download<uint16_t>());
+    const auto ref = gputest::bf16_to_doubles(cpu);
+    EXPECT_EQ(gputest::count_nonfinite(got), 0) << name << " unwritten/non-finite";
+    const double e = gputest::rel_l2(got, ref);
+    EXPECT_LT(e, 1e-2) << name;
+    std::printf("  warmup %-4s rel L2 %.3e\n", name, e);
+  };
+  cmp("o", o, o_c);
+  const auto lse_g = lse.download<float>();
+  double lse_err = 0;
+  for (size_t i = 0; i < lse_g.size(); ++i)
+    lse_err = std::isfinite(lse_g[i]) ? std::max(lse_err, std::fabs(static_cast<double>(lse_g[i]) - lse_c[i]))
+                                      : INFINITY;
+  EXPECT_LT(lse_err, 1e-3) << "lse max abs error";
+  cmp("dq", dq, dq_c);
+  cmp("dk", dk, dk_c);
+  cmp("dv", dv, dv_c);
+  cmp("dqp", dqp, dqp_c);
+  cmp("dkp", dkp, dkp_c);
+  const float kf = kl_f.download<float>()[0], kb = kl_b.download<float>()[0];
+  EXPECT_LT(std::fabs(kf - kl_fc) / std::fabs(kl_fc), 1e-2) << "forward kl gpu " << kf << " cpu " << kl_fc;
+  EXPECT_LT(std::fabs(kb - kl_bc) / std::fabs(kl_bc), 1e-2) << "backward kl gpu " << kb << " cpu " << kl_bc;
+  std::printf("  warmup lse max abs %.3e, kl fwd %.6g/%.6g bwd %.6g/%.6g\n", lse_err, kf, kl_fc, kb, kl_bc);
+}
+
+Shape shape(int H, int Hkv, int Hp, int Hpk, int D, std::vector<int> lengths) {
+  Shape s;
+  s.H = H;
+  s.Hkv = Hkv;
+  s.Hp = Hp;
+  s.Hpk = Hpk;
+  s.D = D;
+  s.K = 16;  // ignored by the warm-up mode
+  s.lengths = std::move(lengths);
+  return s;
+}
+
+TEST(CudaWarmup, GqaD64TwoSequences) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_warmup(shape(4, 2, 2, 1, 64, {300, 40}), 31);
+}
+
+TEST(CudaWarmup, GroupD128LongerThanK) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_warmup(shape(8, 1, 2, 1, 128, {1000, 3}), 32);
+}
+
+}  // namespace
