@@ -25,7 +25,7 @@ __global__ void __launch_bounds__(128) proxy_lse_kernel(
     float* __restrict__ part_sum) { // [Hp, T, K]
   constexpr int RB = D * 2;
   extern __shared__ __align__(128) unsigned char smem[];
-  const int g = blockIdx.x, p = blockIdx.y;
+  const int g = blockIdx.x / Hp, p = blockIdx.x % Hp;
   const BlockCtx bc = block_ctx(ix, p, g);
   if (bc.begin == bc.end) return;
   const int pk = p / (Hp / Hpk);
@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(128) proxy_lse_kernel(
 struct TokMeta {
   int32_t tok[kTileTok];   // packed token index, -1 for padding
   int32_t tpos[kTileTok];  // position inside the sequence, -1 for padding (masks every key)
-  float lse2[kTileTok];    // log2(e) * lse of the current head
+  float lse[kTileTok];     // lse of the current head (natural log)
   float aux[kTileTok];     // Di (main) or the student's lse (KL)
 };
 
@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_kernel(
     const bf16* __restrict__ d_o,  // [T, H, D]
     const float* __restrict__ lse, // [H, T]
     const float* __restrict__ di,  // [T, H] rowsum(dO * O)
-    Index ix, int H, int Hkv, int Hp, float scale,
+    Index ix, int H, int Hkv, int Hp, int nseg, float scale,
     void* __restrict__ dq_acc,     // [T, H, D] fp32 or int64
     const float* __restrict__ fx,  // [5] fixed-point factors, or null (fp32 atomics)
     int owned,                     // 1: this CTA is the only writer of its dk/dv rows
@@ -228,10 +228,11 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_kernel(
   TokMeta* tms = reinterpret_cast<TokMeta*>(sdS + kBlk * kTileTok * 2);  // 2 stages
   const uint32_t k_base = smem_u32(sK), v_base = smem_u32(sV), ds_base = smem_u32(sdS);
 
-  const int g = blockIdx.x;
+  // 1-D grid, segment fastest: the heavy early blocks of every segment start first.
+  const int g = blockIdx.x / nseg;
   const int m = H / Hp, r = H / Hkv;
   int h0, h1;
-  find_segment(blockIdx.y, H, m, r, h0, h1);
+  find_segment(blockIdx.x % nseg, H, m, r, h0, h1);
   const int p = h0 / m, kvh = h0 / r;
   const BlockCtx bc = block_ctx(ix, p, g);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g4 = lane >> 2, c4 = lane & 3;
@@ -254,25 +255,33 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_kernel(
     load_rows_async<D, 256>(v_base, kBlk, v, [&](int rr) { return key_row(v, rr); });
   }
 
-  // Issues the loads of step `it` into stage `st` and commits them as one group.
+  // Issues the loads of step `it` into stage `st` and commits them as one group. Thread
+  // 4*row + part copies a quarter of row `row` of Q and dO; part 0/1/2 also fill the row's
+  // token, lse and Di, so nothing here waits on a global load except the token index.
   auto issue = [&](int it, int st) {
     const int i0 = bc.begin + (it / nh) * kTileTok, h = h0 + it % nh;
     const int n = min(kTileTok, bc.end - i0);
-    auto tok_row = [&](const bf16* base, int rr) -> const bf16* {
-      return rr < n ? base + (static_cast<int64_t>(ix.vals[i0 + rr] / ix.K) * H + h) * D : nullptr;
-    };
-    load_rows_async<D, 256>(smem_u32(sQ + st * kTileBytes), kTileTok, q, [&](int rr) { return tok_row(q, rr); });
-    load_rows_async<D, 256>(smem_u32(sdO + st * kTileBytes), kTileTok, d_o, [&](int rr) { return tok_row(d_o, rr); });
-    cp_async_commit();
-    if (threadIdx.x < kTileTok) {
-      TokMeta& tm = tms[st];
-      const int rr = threadIdx.x;
-      const int t = rr < n ? ix.vals[i0 + rr] / ix.K : -1;
-      tm.tok[rr] = t;
-      tm.tpos[rr] = t >= 0 ? static_cast<int>(t - bc.seq_start) : -1;
-      tm.lse2[rr] = t >= 0 ? lse[static_cast<int64_t>(h) * ix.T + t] * kLog2e : 0.f;
-      tm.aux[rr] = t >= 0 ? di[static_cast<int64_t>(t) * H + h] : 0.f;
+    const int row = threadIdx.x >> 2, part = threadIdx.x & 3;
+    const int t = row < n ? __ldg(ix.vals + i0 + row) / ix.K : -1;
+    const bool ok = t >= 0;
+    const int64_t at = (static_cast<int64_t>(ok ? t : 0) * H + h) * D;
+    const uint32_t qs = smem_u32(sQ + st * kTileBytes), os = smem_u32(sdO + st * kTileBytes);
+    constexpr int kPer = D / 32;  // 16-byte chunks per thread and tile
+#pragma unroll
+    for (int c = part * kPer; c < (part + 1) * kPer; ++c) {
+      cp_async_16(qs + swizzle_offset<RB>(row, c), q + at + c * 8, ok);
+      cp_async_16(os + swizzle_offset<RB>(row, c), d_o + at + c * 8, ok);
     }
+    TokMeta& tm = tms[st];
+    if (part == 0) {
+      tm.tok[row] = t;
+      tm.tpos[row] = ok ? static_cast<int>(t - bc.seq_start) : -1;
+    } else if (part == 1) {
+      cp_async_4(smem_u32(&tm.lse[row]), lse + static_cast<int64_t>(h) * ix.T + (ok ? t : 0), ok);
+    } else if (part == 2) {
+      cp_async_4(smem_u32(&tm.aux[row]), di + static_cast<int64_t>(ok ? t : 0) * H + h, ok);
+    }
+    cp_async_commit();
   };
   if (steps > 0) issue(0, 0);
 
@@ -298,7 +307,7 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_kernel(
       for (int e = 0; e < 4; ++e) {
         const int key = bc.key0 + 16 * warp + g4 + 8 * (e >> 1);
         const int col = 8 * nt + 2 * c4 + (e & 1);
-        const float pr = key <= tm.tpos[col] ? exp2f(sT[nt][e] * scale2 - tm.lse2[col]) : 0.f;
+        const float pr = key <= tm.tpos[col] ? exp2f(fmaf(sT[nt][e], scale2, -tm.lse[col] * kLog2e)) : 0.f;
         sT[nt][e] = pr;
         dpT[nt][e] = pr * (dpT[nt][e] - tm.aux[col]);
       }
@@ -323,8 +332,7 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_kernel(
       const int64_t at = (static_cast<int64_t>(t) * H + h) * D + n_base + 2 * c4;
 #pragma unroll
       for (int nt = 0; nt < D / 16; ++nt) {
-        acc_add(dq_acc, at + 8 * nt, dq[nt][2 * half] * scale, fx_q);
-        acc_add(dq_acc, at + 8 * nt + 1, dq[nt][2 * half + 1] * scale, fx_q);
+        acc_add2(dq_acc, at + 8 * nt, dq[nt][2 * half] * scale, dq[nt][2 * half + 1] * scale, fx_q);
       }
     }
     __syncthreads();  // this stage and sdS are rewritten by the next steps
@@ -345,10 +353,8 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_kernel(
         *reinterpret_cast<uint32_t*>(dk + at + 8 * nt) = pack_bf16x2(k0v, k1v);
         *reinterpret_cast<uint32_t*>(dv + at + 8 * nt) = pack_bf16x2(v0v, v1v);
       } else {
-        acc_add(dk_acc, at + 8 * nt, k0v, fx_k);
-        acc_add(dk_acc, at + 8 * nt + 1, k1v, fx_k);
-        acc_add(dv_acc, at + 8 * nt, v0v, fx_v);
-        acc_add(dv_acc, at + 8 * nt + 1, v1v, fx_v);
+        acc_add2(dk_acc, at + 8 * nt, k0v, k1v, fx_k);
+        acc_add2(dv_acc, at + 8 * nt, v0v, v1v, fx_v);
       }
     }
   }
@@ -394,11 +400,11 @@ __global__ void __launch_bounds__(256, 1) kl_bwd_kernel(
   unsigned char* sQp = sQ + 2 * kTileBytes;      // 2 x [64][D] proxy queries (per tile)
   unsigned char* sdS = sQp + 2 * kTileBytes;     // [128][64] dS^T
   TokMeta* tms = reinterpret_cast<TokMeta*>(sdS + kBlk * kTileTok * 2);  // per tile parity
-  float* lse2s = reinterpret_cast<float*>(tms + 2);                    // [2][64] per step parity
-  float* red = lse2s + 2 * kTileTok;                                   // [8]
+  float* lses = reinterpret_cast<float*>(tms + 2);                     // [2][64] per step parity
+  float* red = lses + 2 * kTileTok;                                    // [8]
   const uint32_t k_base = smem_u32(sK), kp_base = smem_u32(sKp), ds_base = smem_u32(sdS);
 
-  const int g = blockIdx.x, p = blockIdx.y;
+  const int g = blockIdx.x / Hp, p = blockIdx.x % Hp;  // proxy head fastest (see attn_bwd_kernel)
   const int m = H / Hp, r = H / Hkv, pk = p / (Hp / Hpk);
   const BlockCtx bc = block_ctx(ix, p, g);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g4 = lane >> 2, c4 = lane & 3;
@@ -420,35 +426,38 @@ __global__ void __launch_bounds__(256, 1) kl_bwd_kernel(
   if (steps > 0)
     load_rows_async<D, 256>(kp_base, kBlk, kp, [&](int rr) { return key_row(kp, Hpk, pk, rr); });
 
+  // Same split as attn_bwd_kernel: thread 4*row + part copies a quarter of row `row`.
   auto issue = [&](int it) {
     const int tile = it / m, h = p * m + it % m, st = it & 1, tst = tile & 1;
     const int i0 = bc.begin + tile * kTileTok;
     const int n = min(kTileTok, bc.end - i0);
-    auto tok_of = [&](int rr) { return static_cast<int64_t>(ix.vals[i0 + rr] / ix.K); };
     if (it == 0 || kv_of(it) != kv_of(it - 1)) {
       const int kvh = kv_of(it);
       load_rows_async<D, 256>(k_base, kBlk, k, [&](int rr) { return key_row(k, Hkv, kvh, rr); });
     }
-    if (it % m == 0) {
-      load_rows_async<D, 256>(smem_u32(sQp + tst * kTileBytes), kTileTok, qp, [&](int rr) -> const bf16* {
-        return rr < n ? qp + (tok_of(rr) * Hp + p) * D : nullptr;
-      });
+    const int row = threadIdx.x >> 2, part = threadIdx.x & 3;
+    const int t = row < n ? __ldg(ix.vals + i0 + row) / ix.K : -1;
+    const bool ok = t >= 0;
+    const int64_t tt = ok ? t : 0;
+    constexpr int kPer = D / 32;
+    const uint32_t qs = smem_u32(sQ + st * kTileBytes), qps = smem_u32(sQp + tst * kTileBytes);
+    const bool first = it % m == 0;
+#pragma unroll
+    for (int c = part * kPer; c < (part + 1) * kPer; ++c) {
+      cp_async_16(qs + swizzle_offset<RB>(row, c), q + (tt * H + h) * D + c * 8, ok);
+      if (first) cp_async_16(qps + swizzle_offset<RB>(row, c), qp + (tt * Hp + p) * D + c * 8, ok);
     }
-    load_rows_async<D, 256>(smem_u32(sQ + st * kTileBytes), kTileTok, q, [&](int rr) -> const bf16* {
-      return rr < n ? q + (tok_of(rr) * H + h) * D : nullptr;
-    });
-    cp_async_commit();
-    if (threadIdx.x < kTileTok) {
-      const int rr = threadIdx.x;
-      const int64_t t = rr < n ? tok_of(rr) : -1;
-      lse2s[st * kTileTok + rr] = t >= 0 ? lse[static_cast<int64_t>(h) * ix.T + t] * kLog2e : 0.f;
-      if (it % m == 0) {
-        TokMeta& tm = tms[tst];
-        tm.tok[rr] = static_cast<int32_t>(t);
-        tm.tpos[rr] = t >= 0 ? static_cast<int>(t - bc.seq_start) : -1;
-        tm.aux[rr] = t >= 0 ? lse_s[static_cast<int64_t>(p) * ix.T + t] : 0.f;
+    if (part == 1) cp_async_4(smem_u32(&lses[st * kTileTok + row]), lse + static_cast<int64_t>(h) * ix.T + tt, ok);
+    if (first) {
+      TokMeta& tm = tms[tst];
+      if (part == 0) {
+        tm.tok[row] = t;
+        tm.tpos[row] = ok ? static_cast<int>(t - bc.seq_start) : -1;
+      } else if (part == 2) {
+        cp_async_4(smem_u32(&tm.aux[row]), lse_s + static_cast<int64_t>(p) * ix.T + tt, ok);
       }
     }
+    cp_async_commit();
   };
   if (steps > 0) issue(0);
 
@@ -474,14 +483,14 @@ __global__ void __launch_bounds__(256, 1) kl_bwd_kernel(
     {
       float sT[8][4];
       keys_times_tokens<D>(sT, k_base, smem_u32(sQ + st * kTileBytes), warp, lane);
-      const float* lse2 = lse2s + st * kTileTok;
+      const float* lse_h = lses + st * kTileTok;
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int key = bc.key0 + 16 * warp + g4 + 8 * (e >> 1);
           const int col = 8 * nt + 2 * c4 + (e & 1);
-          if (key <= tm.tpos[col]) tch[nt][e] += exp2f(sT[nt][e] * scale2 - lse2[col]);
+          if (key <= tm.tpos[col]) tch[nt][e] += exp2f(fmaf(sT[nt][e], scale2, -lse_h[col] * kLog2e));
         }
     }
 
@@ -524,8 +533,7 @@ __global__ void __launch_bounds__(256, 1) kl_bwd_kernel(
         const int64_t at = (static_cast<int64_t>(t) * Hp + p) * D + n_base + 2 * c4;
 #pragma unroll
         for (int nt = 0; nt < D / 16; ++nt) {
-          acc_add(dqp_acc, at + 8 * nt, dq[nt][2 * half] * scale_p, fx_qp);
-          acc_add(dqp_acc, at + 8 * nt + 1, dq[nt][2 * half + 1] * scale_p, fx_qp);
+          acc_add2(dqp_acc, at + 8 * nt, dq[nt][2 * half] * scale_p, dq[nt][2 * half + 1] * scale_p, fx_qp);
         }
       }
     }
@@ -545,8 +553,7 @@ __global__ void __launch_bounds__(256, 1) kl_bwd_kernel(
       if (owned) {
         *reinterpret_cast<uint32_t*>(dkp + at + 8 * nt) = pack_bf16x2(x0, x1);
       } else {
-        acc_add(dkp_acc, at + 8 * nt, x0, fx_kp);
-        acc_add(dkp_acc, at + 8 * nt + 1, x1, fx_kp);
+        acc_add2(dkp_acc, at + 8 * nt, x0, x1, fx_kp);
       }
     }
   }

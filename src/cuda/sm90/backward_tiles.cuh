@@ -78,6 +78,12 @@ __device__ __forceinline__ void load_rows_async(uint32_t base, int rows, const b
   }
 }
 
+// 4-byte global -> shared copy (per-row scalars such as lse); zero-filled when !valid.
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
 // Stores a pair of accumulator values (row, col..col+1) as bf16 into a swizzled [rows][64] tile.
 __device__ __forceinline__ void store_pair_64(unsigned char* tile, int row, int col, float x0, float x1) {
   *reinterpret_cast<uint32_t*>(tile + swizzle_offset<128>(row, col >> 3) + (col & 7) * 2) =
@@ -94,6 +100,16 @@ __device__ __forceinline__ void acc_add(void* base, int64_t i, float x, float fx
               static_cast<unsigned long long>(__float2ll_rn(x * fx)));
   else
     atomicAdd(reinterpret_cast<float*>(base) + i, x);
+}
+
+// Two adjacent elements (i even): one vector fp32 atomic (sm_90) in the fast mode.
+__device__ __forceinline__ void acc_add2(void* base, int64_t i, float x0, float x1, float fx) {
+  if (fx > 0.f) {
+    acc_add(base, i, x0, fx);
+    acc_add(base, i + 1, x1, fx);
+  } else {
+    atomicAdd(reinterpret_cast<float2*>(reinterpret_cast<float*>(base) + i), make_float2(x0, x1));
+  }
 }
 
 // ---- the inverted selection index -----------------------------------------------------------

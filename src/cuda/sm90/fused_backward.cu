@@ -257,7 +257,7 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
 
   const int lse_smem = (kBlk + bwd::kTileTok) * D * 2 + bwd::kTileTok * 4;
   set_smem(bwd::proxy_lse_kernel<D>, lse_smem);
-  bwd::proxy_lse_kernel<D><<<dim3(ix.NB, p.Hp), 128, lse_smem, stream>>>(qp, kp, ix, p.Hp, p.Hpk,
+  bwd::proxy_lse_kernel<D><<<static_cast<unsigned>(ix.NB) * p.Hp, 128, lse_smem, stream>>>(qp, kp, ix, p.Hp, p.Hpk,
                                                                          p.proxy_scale, part_max, part_sum);
   FLASHMSA_CHECK_LAUNCH();
   merge_student_lse_kernel<<<grid_for(nrow, 256, INT_MAX), 256, 0, stream>>>(
@@ -266,15 +266,15 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
 
   constexpr int attn_smem = bwd::attn_smem_bytes<D>();
   set_smem(bwd::attn_bwd_kernel<D>, attn_smem);
-  bwd::attn_bwd_kernel<D><<<dim3(ix.NB, nseg), 256, attn_smem, stream>>>(
-      q, k, v, static_cast<const bf16*>(p.d_o), p.lse, di, ix, p.H, p.Hkv, p.Hp, p.scale, dq_acc, fx,
+  bwd::attn_bwd_kernel<D><<<static_cast<unsigned>(ix.NB) * nseg, 256, attn_smem, stream>>>(
+      q, k, v, static_cast<const bf16*>(p.d_o), p.lse, di, ix, p.H, p.Hkv, p.Hp, nseg, p.scale, dq_acc, fx,
       main_owned ? 1 : 0, static_cast<bf16*>(p.dk), static_cast<bf16*>(p.dv), dk_acc, dv_acc);
   FLASHMSA_CHECK_LAUNCH();
 
   constexpr int kl_smem = bwd::kl_smem_bytes<D>();
   set_smem(bwd::kl_bwd_kernel<D>, kl_smem);
   const float c_base = static_cast<float>(static_cast<double>(p.kl_coeff) / (static_cast<double>(p.Hp) * p.T));
-  bwd::kl_bwd_kernel<D><<<dim3(ix.NB, p.Hp), 256, kl_smem, stream>>>(
+  bwd::kl_bwd_kernel<D><<<static_cast<unsigned>(ix.NB) * p.Hp, 256, kl_smem, stream>>>(
       q, k, qp, kp, p.lse, lse_s, ix, p.H, p.Hkv, p.Hp, p.Hpk, p.scale, p.proxy_scale, c_base, p.kl_grad,
       dqp_acc, fx, kl_owned ? 1 : 0, static_cast<bf16*>(p.dkp), dkp_acc, kl_part);
   FLASHMSA_CHECK_LAUNCH();
