@@ -10,7 +10,17 @@
 // head's lse first; a second kernel recomputes the scores of one (proxy head, token) with the
 // stored lse, accumulates the teacher per key in shared memory in a fixed order, scores the
 // same keys with the proxy, and writes KL[p, t]; a one-CTA reduction then forms kl_loss. All
-// reductions have a fixed order, so the KL value is bitwise reproducible.
+// reductions have a fixed order, so the KL value is bitwise reproducible. When one warp's rows
+// are the whole group (m <= 16 on one kv head, the M3 shape) that second pass runs inside the
+// forward kernel instead, from registers, with no per-key storage.
+//
+// Measured on an H200 (m3 shape, B=1, median of 10): forward 6.2 / 13.1 / 27.5 / 58.6 ms at
+// S = 16k / 32k / 64k / 128k (~150 TFLOP/s, ~20% of the 759 TFLOP/s matmul anchor); with the KL
+// pass 12.7 / 26.7 / 56.0 / 127 ms. Each (token, group) streams ~1 MB of K/V (16 blocks x 128
+// keys x 512 B) for ~17 MFLOP: ~9 TB/s of L2->SM traffic at 64k, i.e. this design is bound by
+// L2 bandwidth, not by the tensor cores. The KL pass re-streams K and kp (same bytes again).
+// A KV-major kernel (inverted index, one K/V block against a dense tile of gathered query rows)
+// would read each block once per tile of rows instead of once per token.
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -73,6 +83,7 @@ struct FwdArgs {
   int B, H, Hkv, Hp, Hpk, K;
   float scale_log2;         // scale * log2(e)
   float proxy_scale;
+  bool fuse_kl;             // the KL pass runs inside the forward (each group is one warp's rows)
 };
 
 // The query's selected blocks that are visible (0 <= n <= n_loc), as a lane mask over the K
@@ -139,8 +150,9 @@ __device__ __forceinline__ void load_sub_tile(unsigned char* dst, const __nv_bfl
   }
 }
 
-// Up to 16 rows of a [T, heads, DIM] tensor starting at (t, h0); missing rows are zero.
-template <int DIM>
+// Up to 16 rows of a [T, heads, DIM] tensor starting at (t, h0); missing rows are zero. With
+// REPEAT, every row is a copy of the first.
+template <int DIM, bool REPEAT = false>
 __device__ __forceinline__ void load_rows(unsigned char* dst, const __nv_bfloat16* src_row0,
                                           int rows, int lane) {
   constexpr int kChunks = DIM / 8;
@@ -149,8 +161,8 @@ __device__ __forceinline__ void load_rows(unsigned char* dst, const __nv_bfloat1
     const int c = i * 32 + lane;
     const int r = c / kChunks, ch = c % kChunks;
     const bool ok = r < rows;
-    cp_async_16(smem_u32(dst + swizzle_offset<DIM * 2>(r, ch)), src_row0 + (ok ? r : 0) * DIM + ch * 8,
-                ok);
+    const int src_r = (REPEAT || !ok) ? 0 : r;
+    cp_async_16(smem_u32(dst + swizzle_offset<DIM * 2>(r, ch)), src_row0 + src_r * DIM + ch * 8, ok);
   }
 }
 
@@ -186,9 +198,10 @@ __global__ void __launch_bounds__(32)
     sparse_forward_kernel(const FwdArgs a, const HeadItems items) {
   constexpr int kRowBytes = D * 2;
   extern __shared__ __align__(128) unsigned char smem[];
-  unsigned char* q_s = smem;                         // [16][D]
-  unsigned char* k_s = q_s + 16 * kRowBytes;         // [2][32][D]
+  unsigned char* k_s = smem;                         // [2][32][D]
   unsigned char* v_s = k_s + 2 * kSub * kRowBytes;   // [2][32][D]
+  // [16][D]: Q is read into registers before stage 1 of K is first filled, so it lives there.
+  unsigned char* q_s = k_s + kSub * kRowBytes;
 
   const int lane = threadIdx.x;
   const int64_t unit = blockIdx.x;
@@ -319,6 +332,97 @@ __global__ void __launch_bounds__(32)
     if (ok_lo) a.lse[(h0 + g) * a.T + t] = l_lo > 0.f ? (m_lo + log2f(l_lo)) * kLn2 : -INFINITY;
     if (ok_hi) a.lse[(h0 + g + 8) * a.T + t] = l_hi > 0.f ? (m_hi + log2f(l_hi)) * kLn2 : -INFINITY;
   }
+  if (!a.fuse_kl) return;
+
+  // KL pass (msa.md step 6) while Q is still in registers and the group's lse is known: this
+  // warp's rows are the whole group, so the teacher of a key is the column mean of P. With
+  // KL = sum T log T - sum T s + lse_s * sum T, three running sums and an online logsumexp of
+  // the proxy scores suffice: nothing per key is stored.
+  const float lse2_lo = ok_lo && l_lo > 0.f ? m_lo + log2f(l_lo) : INFINITY;
+  const float lse2_hi = ok_hi && l_hi > 0.f ? m_hi + log2f(l_hi) : INFINITY;
+  const int pk = p / (a.Hp / a.Hpk);
+  __syncwarp();
+  load_rows<D, true>(q_s, a.qp + (t * a.Hp + p) * D, 16, lane);
+  cur = cursor_pop(sel, {sel.mask, 0, 0, -1, false});
+  if (!cur.done) {
+    load_sub_tile<D>(k_s, a.k, s0, a.Hkv, kvh, cur.blk * kBlk, tpos, lane);
+    load_sub_tile<D>(v_s, a.kp, s0, a.Hpk, pk, cur.blk * kBlk, tpos, lane);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncwarp();
+  uint32_t pq[D / 16][4];  // the proxy query repeated in all 16 rows
+  load_a_frags<D>(pq, q_s, lane);
+  const float inv_m = 1.f / static_cast<float>(m);
+  float ent = 0.f, cross = 0.f, tsum = 0.f, smax = -INFINITY, ssum = 0.f;
+  buf = 0;
+  while (!cur.done) {
+    const Cursor nxt = cursor_next(sel, cur, tpos);
+    if (!nxt.done) {
+      const int j0 = nxt.blk * kBlk + nxt.chunk * kSub;
+      load_sub_tile<D>(k_s + (buf ^ 1) * kSub * kRowBytes, a.k, s0, a.Hkv, kvh, j0, tpos, lane);
+      load_sub_tile<D>(v_s + (buf ^ 1) * kSub * kRowBytes, a.kp, s0, a.Hpk, pk, j0, tpos, lane);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncwarp();
+    float s[kSub / 8][4], sp[kSub / 8][4];
+    scores_16x32<D>(s, qf, k_s + buf * kSub * kRowBytes, lane);
+    scores_16x32<D>(sp, pq, v_s + buf * kSub * kRowBytes, lane);
+    // Teacher column sums by a reduce-scatter over the 8 row groups g (7 shuffles instead of
+    // 24): afterwards lane (g, c) holds the sum of column k = g, i.e. key j*8 + 2c + e with
+    // j = g >> 1, e = g & 1, and takes that one column's share of the KL sums.
+    float v[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+      v[k] = exp2f(s[k >> 1][k & 1] * a.scale_log2 - lse2_lo) +
+             exp2f(s[k >> 1][2 + (k & 1)] * a.scale_log2 - lse2_hi);
+    const bool b2 = (g >> 2) & 1, b1 = (g >> 1) & 1, b0 = g & 1;
+    float h4[4], h2[2];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      h4[i] = (b2 ? v[i + 4] : v[i]) + __shfl_xor_sync(0xffffffffu, b2 ? v[i] : v[i + 4], 16);
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      h2[i] = (b1 ? h4[i + 2] : h4[i]) + __shfl_xor_sync(0xffffffffu, b1 ? h4[i] : h4[i + 2], 8);
+    const float colsum = (b0 ? h2[1] : h2[0]) + __shfl_xor_sync(0xffffffffu, b0 ? h2[0] : h2[1], 4);
+    // Every row of the proxy product holds the same scores (the proxy query fills all rows).
+    float sv = 0.f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+      if (k == g) sv = sp[k >> 1][k & 1];
+    sv *= a.proxy_scale;
+    const int col = cur.blk * kBlk + cur.chunk * kSub + (g >> 1) * 8 + c2 + (g & 1);
+    if (col <= tpos) {
+      const float tch = colsum * inv_m;
+      if (tch > 0.f) {
+        ent += tch * __logf(tch);
+        cross += tch * sv;
+        tsum += tch;
+      }
+      const float nm = fmaxf(smax, sv);
+      ssum = ssum * __expf(smax - nm) + __expf(sv - nm);
+      smax = nm;
+    }
+    __syncwarp();
+    cur = nxt;
+    buf ^= 1;
+  }
+  // Merge the per-lane sums and online logsumexps over the warp (fixed order).
+  float mx = smax;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  ssum = smax == -INFINITY ? 0.f : ssum * __expf(smax - mx);
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    ent += __shfl_xor_sync(0xffffffffu, ent, off);
+    cross += __shfl_xor_sync(0xffffffffu, cross, off);
+    tsum += __shfl_xor_sync(0xffffffffu, tsum, off);
+    ssum += __shfl_xor_sync(0xffffffffu, ssum, off);
+  }
+  if (lane == 0) a.kl_rows[p * a.T + t] = ent - cross + (mx + __logf(ssum)) * tsum;
 }
 
 // KL[p, t] of msa.md step 6 for one (proxy head, token) per warp, after the forward wrote lse.
@@ -327,8 +431,8 @@ template <int D>
 __global__ void __launch_bounds__(32) kl_rows_kernel(const FwdArgs a, const HeadItems items) {
   constexpr int kRowBytes = D * 2;
   extern __shared__ __align__(128) unsigned char smem[];
-  unsigned char* q_s = smem;                                   // [16][D]
-  unsigned char* k_s = q_s + 16 * kRowBytes;                   // [2][32][D]
+  unsigned char* k_s = smem;                                   // [2][32][D]
+  unsigned char* q_s = k_s + kSub * kRowBytes;                 // [16][D] in stage 1 (see forward)
   float* teach = reinterpret_cast<float*>(k_s + 2 * kSub * kRowBytes);  // [K][128]
   float* sprox = teach + a.K * kBlk;                                   // [K][128]
 
@@ -457,14 +561,14 @@ __global__ void __launch_bounds__(1024)
 
 template <int D>
 void launch_forward(const FwdArgs& a, const HeadItems& items, bool with_kl, cudaStream_t stream) {
-  const size_t fwd_smem = (16 + 4 * kSub) * D * 2;
+  const size_t fwd_smem = 4 * kSub * D * 2;
   auto fwd = sparse_forward_kernel<D>;
   FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(fwd, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)fwd_smem));
   const int64_t units = a.T * items.n;
   fwd<<<static_cast<unsigned>(units), 32, fwd_smem, stream>>>(a, items);
   FLASHMSA_CHECK_LAUNCH();
-  if (!with_kl) return;
-  const size_t kl_smem = (16 + 2 * kSub) * D * 2 + 2 * sizeof(float) * a.K * kBlk;
+  if (!with_kl || a.fuse_kl) return;
+  const size_t kl_smem = 2 * kSub * D * 2 + 2 * sizeof(float) * a.K * kBlk;
   auto klk = kl_rows_kernel<D>;
   FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(klk, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kl_smem));
   klk<<<static_cast<unsigned>(a.T * a.Hp), 32, kl_smem, stream>>>(a, items);
@@ -507,6 +611,7 @@ void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
   a.K = p.top_k;
   a.scale_log2 = p.scale * kLog2e;
   a.proxy_scale = p.proxy_scale;
+  a.fuse_kl = p.kl != nullptr && items.n == p.Hp;
 
   const bool with_kl = p.kl != nullptr;
   if (with_kl)
