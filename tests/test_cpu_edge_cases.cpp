@@ -128,6 +128,30 @@ TEST(CpuEdge, Block128AroundThreeHundredTokens) {
   msatest::check_case(c);
 }
 
+// The library defaults (BLK 128, K 16, one local block, D^-0.5 scales) at head dim 64 with 18
+// blocks in the sequence, so the top-16 really drops blocks.
+TEST(CpuEdge, DefaultOptionsLongSequence) {
+  Case c;
+  c.heads = {4, 1, 1, 1, 64, 64, 64};
+  c.lengths = {2200};
+  c.dtype = DType::bf16;
+  c.seed = 215;
+  msatest::check_case(c);
+}
+
+// Head dim 128 as in the reference configuration, with a small K.
+TEST(CpuEdge, HeadDim128) {
+  Case c;
+  c.heads = {8, 1, 2, 1, 128, 128, 128};
+  c.lengths = {700};
+  c.opt.top_k = 3;
+  c.seed = 216;
+  for (DType dtype : {DType::fp32, DType::bf16}) {
+    c.dtype = dtype;
+    msatest::check_case(c);
+  }
+}
+
 TEST(CpuEdge, Fp16Inputs) {
   Case c = small_case(212, DType::fp16);
   c.opt.block_size = 8;

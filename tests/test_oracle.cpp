@@ -322,3 +322,47 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<FdCase>& info) { return std::string(info.param.name); });
 
 }  // namespace
+
+namespace {
+
+// The test helpers' own rounding (used to build every bf16/fp16 input), at the halfway cases.
+TEST(TestUtil, Bf16RoundsToNearestEven) {
+  using msatest::bf16_to_float;
+  using msatest::float_to_bf16;
+  EXPECT_EQ(float_to_bf16(1.0f), 0x3F80);
+  EXPECT_EQ(float_to_bf16(1.00390625f), 0x3F80);    // 1 + 2^-8: halfway, even is 1.0
+  EXPECT_EQ(float_to_bf16(1.01171875f), 0x3F82);    // 1 + 3*2^-8: halfway, even is 1 + 2^-6
+  EXPECT_EQ(float_to_bf16(std::nextafter(1.00390625f, 2.f)), 0x3F81);  // just above halfway
+  EXPECT_EQ(float_to_bf16(-2.5f), 0xC020);
+  EXPECT_EQ(float_to_bf16(3.4e38f), 0x7F80);        // above the largest bf16: inf
+  EXPECT_EQ(bf16_to_float(0x3F82), 1.015625f);
+  EXPECT_TRUE(std::isnan(bf16_to_float(float_to_bf16(std::nanf("")))));
+}
+
+TEST(TestUtil, HalfRoundsToNearestEven) {
+  using msatest::float_to_half;
+  using msatest::half_to_float;
+  EXPECT_EQ(float_to_half(1.0f), 0x3C00);
+  EXPECT_EQ(float_to_half(1.0f + 1.0f / 2048), 0x3C00);   // halfway, even is 1.0
+  EXPECT_EQ(float_to_half(1.0f + 3.0f / 2048), 0x3C02);   // halfway, even is up
+  EXPECT_EQ(half_to_float(float_to_half(2051.f)), 2052.f);
+  EXPECT_EQ(half_to_float(float_to_half(2049.f)), 2048.f);
+  EXPECT_EQ(float_to_half(65519.f), 0x7BFF);              // rounds down to 65504
+  EXPECT_EQ(float_to_half(65520.f), 0x7C00);              // halfway to 65536: inf
+  EXPECT_EQ(float_to_half(-65504.f), 0xFBFF);
+  EXPECT_EQ(float_to_half(std::ldexp(1.f, -24)), 0x0001);  // smallest subnormal
+  EXPECT_EQ(float_to_half(std::ldexp(1.f, -25)), 0x0000);  // halfway to it: even is 0
+  EXPECT_EQ(float_to_half(std::ldexp(3.f, -25)), 0x0002);  // 1.5 units: even is 2
+  EXPECT_EQ(float_to_half(std::ldexp(1.f, -14)), 0x0400);  // smallest normal
+  EXPECT_EQ(float_to_half(std::ldexp(1023.75f, -24)), 0x0400);  // subnormal rounding up into normal
+  EXPECT_EQ(half_to_float(0x0001), std::ldexp(1.f, -24));
+  EXPECT_EQ(half_to_float(0xC000), -2.f);
+  EXPECT_EQ(half_to_float(0x7C00), std::numeric_limits<float>::infinity());
+  // Every finite half round-trips exactly.
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    if ((h & 0x7C00) == 0x7C00) continue;
+    ASSERT_EQ(float_to_half(half_to_float(static_cast<uint16_t>(h))), h) << std::hex << h;
+  }
+}
+
+}  // namespace

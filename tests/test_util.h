@@ -9,12 +9,19 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "flashmsa/flashmsa.h"
 #include "reference/oracle.h"
+
+// Readable parameter names in gtest output (found by argument-dependent lookup).
+namespace flashmsa {
+inline void PrintTo(DType d, std::ostream* os) { *os << dtype_name(d); }
+inline void PrintTo(Mode m, std::ostream* os) { *os << (m == Mode::sparse ? "sparse" : "warmup"); }
+}  // namespace flashmsa
 
 namespace msatest {
 
