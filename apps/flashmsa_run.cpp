@@ -408,10 +408,10 @@ int main(int argc, char** argv) {
   opt.mode = c.mode == "warmup" ? Mode::warmup : Mode::sparse;
   opt.num_threads = c.threads;
 
+  const double t_start = now_s();
   auto log = [&](const char* fmt, auto... args) {
     if (c.quiet) return;
-    static const double t0 = now_s();
-    std::printf("[%7.1f s] ", now_s() - t0);
+    std::printf("[%7.1f s] ", now_s() - t_start);
     std::printf(fmt, args...);
     std::printf("\n");
     std::fflush(stdout);
