@@ -259,38 +259,49 @@ def test_compile_fullgraph_cpu(layout, backend):
         assert torch.allclose(a, p.grad, rtol=1e-4, atol=1e-6)
 
 
-def _sgd_equivalence(device, dtype, cfg, opt, steps=10, lr=0.1):
+# Biases of k and kp get an exactly zero gradient (a constant shift of every key leaves each
+# softmax and each block ranking unchanged); their "updates" are rounding noise, so they are
+# left out of the comparison.
+_ZERO_GRAD_PARAMS = ("wk.bias", "wkp.bias")
+
+
+def _sgd_equivalence(device, cfg, opt, attn_mine, attn_ref, dm, batch, seqlen, steps=10, lr=0.1):
+    """Trains two copies of TinyMSA (fp32 parameters) for `steps` SGD steps on the same data,
+    one with attn_mine, one with attn_ref. Returns (worst relative L2 error of the parameter
+    updates, smallest relative change of a parameter tensor)."""
     torch.manual_seed(0)
-    dm = 32
-    mine = TinyMSA(dm, **cfg, attn=flashmsa.msa_attention, opt=opt).to(device)
-    ref = TinyMSA(dm, **cfg, attn=_reference_attn, opt=opt).to(device)
+    mine = TinyMSA(dm, **cfg, attn=attn_mine, opt=opt).to(device)
+    ref = TinyMSA(dm, **cfg, attn=attn_ref, opt=opt).to(device)
     ref.load_state_dict(mine.state_dict())
     start = [p.detach().clone() for p in mine.parameters()]
     gen = torch.Generator().manual_seed(123)
-    x = torch.randn(2, 8 * opt["block_size"] + 5, dm, generator=gen).to(device)
+    x = torch.randn(batch, seqlen, dm, generator=gen).to(device)
     target = torch.randn(x.shape, generator=gen).to(device)
     opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in (mine, ref)]
     for _ in range(steps):
         for m, o in zip((mine, ref), opts):
             o.zero_grad()
-            y, kl = m(x.to(dtype) if dtype != torch.float32 else x)
+            y, kl = m(x)
             loss = (y.float() - target).square().mean() + kl
             loss.backward()
             o.step()
-    worst = max(rel_l2(a, b) for a, b in zip(mine.parameters(), ref.parameters()))
-    # Biases of kp cannot move: a constant shift of the proxy keys leaves every softmax and
-    # every block ranking unchanged, so their gradient is exactly zero. Weights all move.
-    moved = min(rel_l2(p, s) for (name, p), s in zip(mine.named_parameters(), start)
-                if name.endswith("weight"))
+    worst, moved = 0.0, math.inf
+    for (name, a), b, s0 in zip(mine.named_parameters(), ref.parameters(), start):
+        if name in _ZERO_GRAD_PARAMS:
+            continue
+        worst = max(worst, rel_l2(a - s0, b - s0))
+        moved = min(moved, rel_l2(a, s0))
     return worst, moved
 
 
 def test_sgd_equivalence_cpu():
-    """10 SGD steps with the op vs the fp64 eager reference: every parameter tensor agrees to
-    a relative L2 error < 1e-5 (fp32 model)."""
-    worst, moved = _sgd_equivalence("cpu", torch.float32, CPU_CFG, CPU_OPT)
+    """10 SGD steps with the op vs the fp64 eager reference (fp32 model and inputs): every
+    parameter tensor's total update agrees to a relative L2 error < 1e-4 (measured 1e-5)."""
+    worst, moved = _sgd_equivalence("cpu", CPU_CFG, CPU_OPT, flashmsa.msa_attention,
+                                    _reference_attn, dm=32, batch=2,
+                                    seqlen=8 * CPU_OPT["block_size"] + 5)
     assert moved > 1e-4, moved  # training really changed every parameter tensor
-    assert worst < 1e-5, worst
+    assert worst < 1e-4, worst
 
 
 # --------------------------------------------------------------------------------------------
@@ -376,9 +387,9 @@ def test_compile_fullgraph_cuda():
 
 @needs_cuda
 def test_sgd_equivalence_cuda():
-    """10 SGD steps, fp32 parameters, bf16-free path is not available on CUDA (bf16 only):
-    the model runs in fp32 with the attention inputs cast to bf16 inside msa_attention's
-    caller; parameters agree with the fp64 reference to a relative L2 error < 2e-2."""
+    """10 SGD steps on CUDA: fp32 parameters, attention inputs cast to bf16 (the CUDA backend's
+    dtype) for both the op and the fp64 reference; the parameter updates agree to a relative L2
+    error < 2e-2 (the same check through the CPU backend measures ~7e-4)."""
     def attn_bf16(q, k, v, qp, kp, cu, **kw):
         r = flashmsa.msa_attention(*(t.to(torch.bfloat16) for t in (q, k, v, qp, kp)), cu, **kw)
         return r._replace(out=r.out.float())
@@ -388,20 +399,7 @@ def test_sgd_equivalence_cuda():
                           compute_dtype=torch.float64, **kw)
         return r._replace(out=r.out.float())
 
-    torch.manual_seed(0)
-    dm = 64
-    mine = TinyMSA(dm, **CUDA_CFG, attn=attn_bf16, opt=CUDA_OPT).cuda()
-    ref = TinyMSA(dm, **CUDA_CFG, attn=ref_bf16, opt=CUDA_OPT).cuda()
-    ref.load_state_dict(mine.state_dict())
-    gen = torch.Generator().manual_seed(123)
-    x = torch.randn(1, 6 * 128 + 40, dm, generator=gen).cuda()
-    target = torch.randn(x.shape, generator=gen).cuda()
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (mine, ref)]
-    for _ in range(10):
-        for m, o in zip((mine, ref), opts):
-            o.zero_grad()
-            y, kl = m(x)
-            ((y - target).square().mean() + kl).backward()
-            o.step()
-    worst = max(rel_l2(a, b) for a, b in zip(mine.parameters(), ref.parameters()))
+    worst, moved = _sgd_equivalence("cuda", CUDA_CFG, CUDA_OPT, attn_bf16, ref_bf16, dm=64,
+                                    batch=1, seqlen=6 * 128 + 40)
+    assert moved > 1e-5, moved
     assert worst < 2e-2, worst
