@@ -90,6 +90,8 @@ flashmsa::Options make_options(int64_t block_size, int64_t top_k, int64_t local_
   TORCH_CHECK(fits_int(block_size), "flashmsa: option 'block_size' is out of range");
   TORCH_CHECK(fits_int(top_k), "flashmsa: option 'top_k' is out of range");
   TORCH_CHECK(fits_int(local_blocks), "flashmsa: option 'local_blocks' is out of range");
+  // Checked here too because top_k sizes block_idx before the library validates anything.
+  TORCH_CHECK(top_k >= 1, "flashmsa: option 'top_k' (K) must be >= 1");
   flashmsa::Options opt;
   opt.block_size = static_cast<int>(block_size);
   opt.top_k = static_cast<int>(top_k);

@@ -311,6 +311,7 @@ def test_sgd_equivalence_cpu():
     ("k_dim", "'k'"), ("heads_qp", "'qp'"), ("cu_end", "'cu_seqlens'"), ("top_k", "'top_k'"),
     ("mode", "'mode'"), ("q_ndim", "'q'"), ("v_dtype", "'v'"), ("kp_heads", "'kp'"),
     ("local", "'local_blocks'"), ("scale", "'scale'"), ("cu_float", "'cu_seqlens'"),
+    ("top_k_neg", "'top_k'"), ("block_size", "'block_size'"),
 ])
 def test_bad_arguments(case, name):
     inputs, cu = _problem("packed", CPU_CFG, torch.float32, "cpu", seed=9)
@@ -338,6 +339,10 @@ def test_bad_arguments(case, name):
         kw["local_blocks"] = kw["top_k"] + 1
     elif case == "scale":
         kw["scale"] = -1.0
+    elif case == "top_k_neg":
+        kw["top_k"] = -2
+    elif case == "block_size":
+        kw["block_size"] = 0
     elif case == "cu_float":
         cu = cu.float()
     with pytest.raises(RuntimeError, match=name):
