@@ -8,8 +8,11 @@
 // m = 4 the per-token GEMM was bound by reading K and V from L3). Rows visit their blocks in
 // ascending order with an online softmax, and every output row belongs to the item (no
 // cross-thread reduction). The KL needs the final P of all m heads of a token, so it is a
-// second sweep over the same blocks once lse is known (scores recomputed: memory stays
-// O(TT * m * BLK) per thread, also in dense mode).
+// second sweep once lse is known. In sparse mode the first sweep keeps its exponentials per
+// (token, selected block) with the running max they were taken against (the tile is sized so
+// this cache stays a few MB), and the second sweep only rescales them by exp(max - lse): no
+// GEMM and no exp. Dense mode (or a cache that would not fit) recomputes the scores instead,
+// so memory stays O(TT * m * BLK) per thread whatever the sequence length.
 
 namespace {
 
@@ -50,7 +53,7 @@ inline int64_t visible_keys(int64_t n, int64_t tl, int blk, int64_t len) {
 // The selections of a tile of tokens (all in query block nq) inverted: for each key block n in
 // 0..nq, the tile-local indices of the tokens that attend to it, ascending.
 struct TileLists {
-  std::vector<int32_t> list, nsel, cnt, members;
+  std::vector<int32_t> list, nsel, cnt, members, slot;  // slot: index in the token's own list
   std::vector<int64_t> off;
 
   void build(const MsaParams& p, bool dense, int hp, int64_t t0, int64_t tt, int64_t nq,
@@ -67,10 +70,15 @@ struct TileLists {
     off[0] = 0;
     for (int64_t n = 0; n <= nq; ++n) off[n + 1] = off[n] + cnt[n];
     members.resize(off[nq + 1]);
+    slot.resize(off[nq + 1]);
     std::fill(cnt.begin(), cnt.end(), 0);
     for (int64_t i = 0; i < tt; ++i) {
       const int32_t* li = list.data() + i * max_list;
-      for (int32_t k = 0; k < nsel[i]; ++k) members[off[li[k]] + cnt[li[k]]++] = static_cast<int32_t>(i);
+      for (int32_t k = 0; k < nsel[i]; ++k) {
+        const int64_t at = off[li[k]] + cnt[li[k]]++;
+        members[at] = static_cast<int32_t>(i);
+        slot[at] = k;
+      }
     }
   }
   int64_t count(int64_t n) const { return off[n + 1] - off[n]; }
@@ -105,13 +113,18 @@ void attention_forward(const MsaParams& p, const Layout& lay, Team& team, bool d
   const int64_t wmax = round_up(std::min<int64_t>(lay.blk, std::max<int64_t>(p.max_seqlen, 1)),
                                 kColTile);
   const int64_t max_list = dense ? std::max<int64_t>(lay.max_blocks, 1) : p.top_k;
-  // Tokens per tile: about 1024 (token, head) rows of state, so the tile stays near L2.
-  const int64_t tt_max = std::min<int64_t>(lay.blk, std::max<int64_t>(8, 1024 / m));
+  // Tokens per tile: about 1024 (token, head) rows of state, so the tile stays near L2; with the
+  // KL cache (m * K * w floats per token) also at most ~4 MB of cached exponentials.
+  const int64_t per_token_cache = static_cast<int64_t>(m + 1) * p.top_k * wmax;
+  int64_t tt_max = std::min<int64_t>(lay.blk, std::max<int64_t>(8, 1024 / m));
+  const bool cache_kl = want_kl && !dense && per_token_cache * 8 * 4 <= (int64_t(4) << 20);
+  if (cache_kl) tt_max = std::min(tt_max, std::max<int64_t>(8, (int64_t(4) << 20) / (per_token_cache * 4)));
   const int64_t rows_max = tt_max * m;
+  const int K = p.top_k;
 
   struct Scratch {
-    Buf qt, qg, s, og, acc, qpt, qpg, sp, tch, row;
-    std::vector<float> mx, l, lse_r, ms, ls, lse_s, kl;
+    Buf qt, qg, s, og, acc, qpt, qpg, sp, tch, row, pc, spc, mblk;
+    std::vector<float> mx, l, lse_r, ms, ls, lse_s, kl, factor;
     TileLists tl;
   };
   std::vector<Scratch> scratch(team.size());
@@ -134,6 +147,12 @@ void attention_forward(const MsaParams& p, const Layout& lay, Team& team, bool d
     float* sp = sc.sp.get(tt_max * wmax);      // [cnt][w] proxy scores
     float* tch = sc.tch.get(tt_max * wmax);    // [cnt][w] teacher (sum of the group's P)
     float* row = sc.row.get(Dvp);
+    // KL cache (sparse mode): exponentials [tt][K][m][wmax], the max each was taken against
+    // [tt][K][m], proxy scores [tt][K][wmax].
+    float* pc = cache_kl ? sc.pc.get(tt_max * K * m * wmax) : nullptr;
+    float* mblk = cache_kl ? sc.mblk.get(tt_max * K * m) : nullptr;
+    float* spc = cache_kl ? sc.spc.get(tt_max * K * wmax) : nullptr;
+    sc.factor.resize(m);
     sc.mx.resize(rows_max);
     sc.l.resize(rows_max);
     sc.lse_r.resize(rows_max);
@@ -172,6 +191,7 @@ void attention_forward(const MsaParams& p, const Layout& lay, Team& team, bool d
         const int64_t cnt = tl.count(n);
         if (cnt == 0) continue;
         const int32_t* mem = tl.tokens(n);
+        const int32_t* slot = tl.slot.data() + tl.off[n];
         const int64_t g = lay.blk_base[b] + n;
         const int64_t w = lay.blk_w[g], woff = lay.blk_woff[g], sg = lay.blk_start[g];
         const int64_t len = lay.blk_len[g];
@@ -198,6 +218,11 @@ void attention_forward(const MsaParams& p, const Layout& lay, Team& team, bool d
               l[R] = l[R] * alpha + hsum(sum);
               if (alpha != 1.f) vscale(acc + R * Dvp, Dvp, alpha);
               mx[R] = mnew;
+              if (cache_kl) {
+                const int64_t c = (static_cast<int64_t>(mem[a]) * K + slot[a]) * m + (hr.h0 - hb) + hh;
+                std::memcpy(pc + c * wmax, sr, sizeof(float) * w);
+                mblk[c] = mnew;
+              }
             }
           }
           gemm_nn(rows, Dvp, len, s, w, vrows.data() + (hr.c * T + sg) * Dvp, Dvp, og, Dvp, false);
@@ -220,6 +245,7 @@ void attention_forward(const MsaParams& p, const Layout& lay, Team& team, bool d
                                   vset1(kNegInf)));
             sc.ls[i] = sc.ls[i] * std::exp(sc.ms[i] - mnew) + hsum(sum);
             sc.ms[i] = mnew;
+            if (cache_kl) std::memcpy(spc + (i * K + slot[a]) * wmax, si, sizeof(float) * w);
           }
         }
       }
@@ -244,6 +270,36 @@ void attention_forward(const MsaParams& p, const Layout& lay, Team& team, bool d
         sc.kl[i] = 0.f;
       }
       if (!want_kl) continue;
+
+      if (cache_kl) {  // ---- sweep 2 from the cache: rescale, no GEMM, no exp ----------------
+        for (int64_t i = 0; i < tt; ++i) {
+          const int32_t* li = tl.list.data() + i * max_list;
+          float kl = 0.f;
+          for (int32_t k = 0; k < tl.nsel[i]; ++k) {
+            const int64_t n = li[k];
+            const int64_t g = lay.blk_base[b] + n;
+            const int64_t w = lay.blk_w[g];
+            const int64_t valid = valid_of(n, lay.blk_len[g], i);
+            const int64_t c0 = (i * K + k) * m;
+            for (int r = 0; r < m; ++r)
+              sc.factor[r] = std::exp(mblk[c0 + r] - lse_r[i * m + r]) * inv_m;
+            const float* probs = pc + c0 * wmax;
+            const float* si = spc + (i * K + k) * wmax;
+            vf klv = vset1(0.f);
+            for (int64_t j = 0; j < w; j += kW) {
+              const vi mask = lanes_below(j, valid);
+              vf te = vset1(0.f);
+              for (int r = 0; r < m; ++r) te += vload(probs + r * wmax + j) * sc.factor[r];
+              const vi pos = mask & (te >= vset1(std::numeric_limits<float>::min()));
+              const vf log_q = vload(si + j) * scale_p - sc.lse_s[i];
+              klv += vselect(pos, te * (vlog(vselect(pos, te, vset1(1.f))) - log_q), vset1(0.f));
+            }
+            kl += hsum(klv);
+          }
+          kl_terms[hp * T + t0 + i] = kl;
+        }
+        continue;
+      }
 
       // ---- sweep 2: exact P against lse, the teacher, KL per token ----------------------------
       for (int64_t n = 0; n <= nq; ++n) {
