@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -191,6 +192,90 @@ TEST(CudaForward, OddHeadRatios) {
 TEST(CudaForward, LargeK) {
   GPUTEST_REQUIRE_DEVICE();
   check_forward_case(shape(4, 1, 1, 1, 128, 20, {4000, 700}), 20);
+}
+
+// The KV-major path (forward_kv.cu: m = 16 heads on one kv head, D = 128, not deterministic) is
+// opt-in through FLASHMSA_FORWARD_PATH=kv; these tests force it for their scope.
+struct ForceKvPath {
+  ForceKvPath() { setenv("FLASHMSA_FORWARD_PATH", "kv", 1); }
+  ~ForceKvPath() { unsetenv("FLASHMSA_FORWARD_PATH"); }
+};
+
+// KV-major: several token chunks (>= 1024 tokens each), sequences crossing chunk boundaries, a
+// zero-length sequence, sequences with fewer visible blocks than K.
+TEST(CudaForward, KvMajorM3SeveralChunks) {
+  GPUTEST_REQUIRE_DEVICE();
+  ForceKvPath kv;
+  check_forward_case(shape(64, 4, 4, 1, 128, 16, {1100, 37, 0, 900, 128, 700}), 41);
+}
+
+// KV-major with Hpk = Hp, two kv heads, and many short sequences (thousands of tiny lists).
+TEST(CudaForward, KvMajorManyShortSequences) {
+  GPUTEST_REQUIRE_DEVICE();
+  ForceKvPath kv;
+  std::mt19937_64 rng(7);
+  std::vector<int> lengths(150);
+  for (int& l : lengths) l = static_cast<int>(rng() % 150);
+  lengths[3] = 0;
+  lengths[149] = 0;
+  check_forward_case(shape(32, 2, 2, 2, 128, 4, lengths), 42);
+}
+
+// KV-major without the kl output, and T = 0 at the M3 shape.
+TEST(CudaForward, KvMajorWithoutKlAndEmpty) {
+  GPUTEST_REQUIRE_DEVICE();
+  ForceKvPath kv;
+  Problem pr;
+  gputest::make_problem(pr, shape(16, 1, 1, 1, 128, 8, {1500, 300}), 44);
+  const GpuForward g = run_gpu(pr, /*with_kl=*/false);
+  ASSERT_EQ(gputest::count_nonfinite(g.o), 0);
+  ASSERT_EQ(gputest::count_nonfinite(g.lse), 0);
+  const gputest::RefForward ref = gputest::reference_forward(pr, g.sel, 1.0);
+  EXPECT_LT(gputest::rel_l2(g.o, ref.o), 1e-2);
+  EXPECT_LT(gputest::max_abs(g.lse, ref.lse), 1e-3);
+
+  Problem empty;
+  gputest::make_problem(empty, shape(64, 4, 4, 1, 128, 16, {0, 0}), 45);
+  const GpuForward e = run_gpu(empty);
+  EXPECT_TRUE(e.o.empty());
+  EXPECT_EQ(e.kl, 0.f);
+}
+
+// Deterministic mode at the M3 group shape takes the query-major kernel: reruns are bitwise
+// identical, and its results agree with the (atomic) KV-major path within the tolerances.
+TEST(CudaForward, KvMajorDeterministicFallback) {
+  GPUTEST_REQUIRE_DEVICE();
+  ForceKvPath kv;
+  Problem pr;
+  gputest::make_problem(pr, shape(32, 2, 2, 1, 128, 8, {1300, 500}), 46);
+  const Shape& s = pr.s;
+  auto run = [&](bool det) {
+    DeviceBuffer sel(static_cast<size_t>(s.Hp * pr.T * s.K) * 4);
+    DeviceBuffer o(static_cast<size_t>(pr.T * s.H * s.D) * 2), lse(static_cast<size_t>(s.H * pr.T) * 4), kl(4);
+    o.fill(gputest::kFloatPoison);
+    lse.fill(gputest::kFloatPoison);
+    kl.fill(gputest::kFloatPoison);
+    auto opt = pr.options();
+    opt.deterministic = det;
+    flashmsa::msa_forward(pr.device_inputs(), opt, gputest::dview(sel, DType::int32, {s.Hp, pr.T, s.K}),
+                          gputest::dview(o, DType::bf16, {pr.T, s.H, s.D}),
+                          gputest::dview(lse, DType::fp32, {s.H, pr.T}), gputest::dview(kl, DType::fp32, {1}));
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    GpuForward r;
+    r.o = gputest::bf16_to_doubles(o.download<uint16_t>());
+    auto l = lse.download<float>();
+    r.lse.assign(l.begin(), l.end());
+    r.kl = kl.download<float>()[0];
+    return r;
+  };
+  const GpuForward d1 = run(true), d2 = run(true), f = run(false);
+  EXPECT_EQ(d1.o, d2.o);
+  EXPECT_EQ(d1.lse, d2.lse);
+  EXPECT_EQ(std::memcmp(&d1.kl, &d2.kl, 4), 0);
+  ASSERT_EQ(gputest::count_nonfinite(f.o), 0);
+  EXPECT_LT(gputest::rel_l2(f.o, d1.o), 1e-2);
+  EXPECT_LT(gputest::max_abs(f.lse, d1.lse), 1e-3);
+  EXPECT_LT(std::fabs(f.kl - d1.kl) / std::max(1e-12, std::fabs(static_cast<double>(d1.kl))), 1e-2);
 }
 
 // msa_forward = select_blocks + sparse_attention_forward, and reruns are bitwise identical.

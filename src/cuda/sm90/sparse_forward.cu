@@ -24,12 +24,15 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "common/bf16.cuh"
 #include "common/check.cuh"
 #include "common/metadata.cuh"
 #include "common/mma.cuh"
 #include "launchers.h"
+#include "sm90/forward_kv.cuh"
 
 namespace flashmsa::cuda {
 namespace {
@@ -581,6 +584,14 @@ void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
   if (p.D != p.Dv || p.D != p.Dp)
     throw Error("flashmsa: sparse_attention_forward: arguments 'q', 'v', 'qp' must have equal "
                 "head dims (D = Dv = Dp) on CUDA");
+  // The KV-major path (forward_kv.cu) is opt-in (FLASHMSA_FORWARD_PATH=kv) where it applies: on
+  // an H200 at m3 it measured slower than this kernel without the KL and on par with it (see
+  // docs/perf-notes.md), so this file's kernel stays the default.
+  const char* path = std::getenv("FLASHMSA_FORWARD_PATH");
+  if (p.T > 0 && path && std::strcmp(path, "kv") == 0 && kv_forward_applies(p)) {
+    launch_kv_forward(p, stream);
+    return;
+  }
   if (p.top_k > 32)
     throw Error("flashmsa: sparse_attention_forward: option 'top_k' must be <= 32 on CUDA");
   const HeadItems items = make_items(p);

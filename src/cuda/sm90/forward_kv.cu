@@ -1,0 +1,687 @@
+// KV-major block-sparse forward: o, lse (msa.md step 5) and the KL value (step 6).
+//
+// Why: the query-major kernel (sparse_forward.cu) streams 1 MB of K/V per (token, group) and is
+// bound by L2->SM traffic (~275 GB at m3/64k). Here the selection is inverted: per (proxy head
+// p, key block) the list of (token, slot) entries that selected it (cub stable radix sort, so
+// each list is ascending in t). One CTA owns one (p, block): K, V and kp of the block are loaded
+// into shared memory once and every listed token's 16 main-head rows are multiplied against
+// them (one warp = one token = 16 MMA rows).
+//
+// The softmax of a token spans K blocks owned by different CTAs. Two passes per chunk of tokens:
+//   pass 1: scores only -> per (t, h, slot) partial log-sum-exp of the main rows and per
+//           (t, p, slot) of the proxy; a merge kernel turns them into lse (an output) and the
+//           student's lse;
+//   pass 2: with exact lse, P = exp(S - lse), O += P V into an fp32 chunk accumulator (vector
+//           atomics), and the KL of the block's keys: teacher = column mean of the warp's 16 rows
+//           of P, student = exp(sp - lse_s), summed into one float (atomics).
+// Tokens are processed in chunks so that the fp32 accumulator and the partials stay within the
+// forward's extra-memory goal (<= 0.45 x size of q with the index). The float atomics make o
+// and kl non-bitwise-reproducible run to run, so deterministic mode uses the query-major kernel.
+//
+// Status: opt-in (FLASHMSA_FORWARD_PATH=kv), because it does not beat the query-major kernel yet.
+// H200, m3, B=1, median of 10: 14.3 / 25.0 / 46.6 ms without KL and 16.6 / 29.1 / 55.1 ms with
+// it at S = 16k / 32k / 64k (query-major: 6.1 / 13.2 / 27.4 and 12.9 / 27.0 / 58.8), extra
+// memory 0.45 x size of q. Breakdown at 64k without KL (FLASHMSA_KV_DIAG build): index 0.7 ms,
+// pass 1 12.1 ms (2.1 PFLOP, ~175 TFLOP/s), pass 2 31.8 ms of which ~13.5 ms are the fp32 O
+// atomics (18.3 ms when they are skipped), convert 0.8 ms; one chunk instead of 7 changes
+// nothing. Next steps: wgmma with 64-row warpgroup tiles (4 tokens) so K/V smem reads are
+// amortised over 4x the rows; O partials without L2 read-modify-write (e.g. bf16 per-slot
+// partials in small chunks, or merging 2-4 blocks per CTA).
+#include "sm90/forward_kv.cuh"
+
+#include <cuda_bf16.h>
+
+#include <cub/device/device_radix_sort.cuh>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+
+#include "common/bf16.cuh"
+#include "common/check.cuh"
+#include "common/metadata.cuh"
+#include "common/mma.cuh"
+
+namespace flashmsa::cuda {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kBlk = 128;      // BLK: keys per block
+constexpr int kD = 128;        // head dim (D = Dv = Dp)
+constexpr int kRowBytes = kD * 2;
+constexpr int kM = 16;         // main heads per proxy group = MMA rows per token
+constexpr int kWarps = 8;      // tokens in flight per CTA
+constexpr int kThreads = kWarps * 32;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// ---- the inverted index ------------------------------------------------------------------------
+
+__global__ void kv_block_sequence_kernel(const int32_t* __restrict__ blk_off,  // [B+1]
+                                         int32_t* __restrict__ blk_seq) {      // [NB]
+  const int b = blockIdx.x;
+  const int first = blk_off[b], count = blk_off[b + 1] - first;
+  for (int i = threadIdx.x; i < count; i += blockDim.x) blk_seq[first + i] = b;
+}
+
+// key = p * NB + global block, or the sentinel for padding and blocks the token cannot see
+// (skipping those keeps every later read in bounds); value = t * K + slot, so a stable sort
+// leaves each list ascending in t.
+__global__ void kv_make_keys_kernel(const int32_t* __restrict__ block_idx,  // [Hp, T, K]
+                                    const int32_t* __restrict__ cu,         // [B+1]
+                                    const int32_t* __restrict__ blk_off,    // [B+1]
+                                    int B, int64_t T, int K, int NB, int64_t n, uint32_t sentinel,
+                                    uint32_t* __restrict__ keys,            // [Hp*T*K]
+                                    int32_t* __restrict__ vals) {           // [Hp*T*K]
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t tk = i % (T * K);
+    const int p = static_cast<int>(i / (T * K));
+    const int64_t t = tk / K;
+    const int seq = find_sequence(cu, B, t);
+    const int nloc = static_cast<int>((t - cu[seq]) / kBlk);
+    const int blk = block_idx[i];
+    keys[i] = blk >= 0 && blk <= nloc ? static_cast<uint32_t>(p) * NB + blk_off[seq] + blk : sentinel;
+    vals[i] = static_cast<int32_t>(tk);
+  }
+}
+
+// seg[key] = first sorted position whose key is >= key, key in [0, nkeys].
+__global__ void kv_list_offsets_kernel(const uint32_t* __restrict__ sorted_keys,  // [n]
+                                       int64_t n, int64_t nkeys,
+                                       int32_t* __restrict__ seg) {               // [nkeys+1]
+  const int64_t key = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (key > nkeys) return;
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) >> 1;
+    if (sorted_keys[mid] < static_cast<uint32_t>(key)) lo = mid + 1;
+    else hi = mid;
+  }
+  seg[key] = static_cast<int32_t>(lo);
+}
+
+// ---- the two KV-major passes ---------------------------------------------------------------------
+
+struct KvArgs {
+  const bf16* q;            // [T, H, D]
+  const bf16* k;            // [T, Hkv, D]
+  const bf16* v;            // [T, Hkv, D]
+  const bf16* qp;           // [T, Hp, D]
+  const bf16* kp;           // [T, Hpk, D]
+  const int32_t* cu;        // [B+1]
+  const int32_t* blk_off;   // [B+1] first global block of each sequence
+  const int32_t* blk_seq;   // [NB] sequence of each global block
+  const int32_t* seg;       // [Hp*NB+1] list offsets into vals
+  const int32_t* vals;      // [Hp*T*K] sorted t*K + slot
+  float* part;              // [Tc, H, K] pass 1: partial lse (log2 units) of the main rows
+  float* part_s;            // [Tc, Hp, K] pass 1: partial lse (natural) of the proxy
+  const float* lse;         // [H, T] pass 2 (merged, natural log)
+  const float* lse_s;       // [Tc, Hp] pass 2: the student's lse
+  float* o_acc;             // [Tc, H, D] pass 2
+  float* kl_acc;            // [1] pass 2: sum of KL[p, t] over the processed rows
+  int64_t T, c0, c1;        // tokens; this chunk is [c0, c1)
+  int B, H, Hkv, Hp, Hpk, K, NB;
+  float scale_log2;         // scale * log2(e)
+  float proxy_scale;
+  bool with_kl;
+#ifdef FLASHMSA_KV_DIAG
+  bool diag_skip_atomics;
+#endif
+};
+
+template <int BYTES>
+__device__ __forceinline__ uint32_t swz(int row, int chunk) {
+  return swizzle_offset<BYTES>(row, chunk);
+}
+
+// 16 rows of A (16 x D) from a swizzled tile into mma fragments.
+__device__ __forceinline__ void load_a(uint32_t (&f)[kD / 16][4], const unsigned char* src, int lane) {
+#pragma unroll
+  for (int ks = 0; ks < kD / 16; ++ks)
+    ldmatrix_x4(f[ks], smem_u32(src + swz<kRowBytes>(lane & 15, ks * 2 + (lane >> 4))));
+}
+
+// s (16 x 8*NT) = A * tile^T, tile = 8*NT consecutive key rows of a swizzled [rows][D] tile
+// starting at row r0 (a multiple of 8).
+template <int NT>
+__device__ __forceinline__ void scores(float (&s)[NT][4], const uint32_t (&a)[kD / 16][4],
+                                       const unsigned char* tile, int r0, int lane) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < kD / 16; ++ks) {
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      uint32_t b[4];
+      ldmatrix_x4(b, smem_u32(tile + swz<kRowBytes>(r0 + np * 16 + (lane & 7) + ((lane >> 4) << 3),
+                                                    ks * 2 + ((lane >> 3) & 1))));
+      mma_bf16_16816(s[2 * np], a[ks], b[0], b[1]);
+      mma_bf16_16816(s[2 * np + 1], a[ks], b[2], b[3]);
+    }
+  }
+}
+
+__device__ __forceinline__ int lower_bound_vals(const int32_t* __restrict__ vals, int lo, int hi,
+                                                int64_t x) {
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (vals[mid] < x) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+template <bool kPass2>
+constexpr int kv_smem_bytes() {
+  // k, kp, [v] tiles + 2 proxy-row buffers + per-warp Q rows + proxy scores of the round.
+  return (kPass2 ? 3 : 2) * kBlk * kRowBytes + 2 * 16 * kRowBytes + kWarps * kM * kRowBytes +
+         kWarps * kBlk * 4;
+}
+
+template <bool kPass2>
+__global__ void __launch_bounds__(kThreads, kPass2 ? 1 : 2) kv_pass_kernel(const KvArgs a) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* k_s = smem;                                     // [128][D]
+  unsigned char* kp_s = k_s + kBlk * kRowBytes;                  // [128][D]
+  unsigned char* qp_s = kp_s + kBlk * kRowBytes;                 // [2][16][D] rows 8..15 zero
+  unsigned char* q_s = qp_s + 2 * 16 * kRowBytes;                // [kWarps][16][D]
+  float* sp_s = reinterpret_cast<float*>(q_s + kWarps * kM * kRowBytes);  // [kWarps][128]
+  unsigned char* v_s = reinterpret_cast<unsigned char*>(sp_s + kWarps * kBlk);  // [128][D]
+
+  // Heavy lists first: low block indices are selected by the most tokens.
+  const int gblk = blockIdx.x / a.Hp;
+  const int p = blockIdx.x - gblk * a.Hp;
+  const int key = p * a.NB + gblk;
+  const int lo = lower_bound_vals(a.vals, a.seg[key], a.seg[key + 1], a.c0 * a.K);
+  const int hi = lower_bound_vals(a.vals, lo, a.seg[key + 1], a.c1 * a.K);
+  if (lo >= hi) return;
+
+  const int b = a.blk_seq[gblk];
+  const int64_t s0 = a.cu[b];
+  const int len = a.cu[b + 1] - static_cast<int>(s0);
+  const int key0 = (gblk - a.blk_off[b]) * kBlk;  // first key position in the sequence
+  const int h0 = p * kM;
+  const int kvh = h0 / (a.H / a.Hkv);
+  const int pk = p / (a.Hp / a.Hpk);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, c2 = 2 * (lane & 3);
+
+  // The block's tiles; key rows past the sequence end are zero (never visible anyway).
+  for (int c = tid; c < kBlk * 16; c += kThreads) {
+    const int r = c >> 4, ch = c & 15;
+    const bool ok = key0 + r < len;
+    const int64_t row = s0 + key0 + (ok ? r : 0);
+    cp_async_16(smem_u32(k_s + swz<kRowBytes>(r, ch)), a.k + (row * a.Hkv + kvh) * kD + ch * 8, ok);
+    cp_async_16(smem_u32(kp_s + swz<kRowBytes>(r, ch)), a.kp + (row * a.Hpk + pk) * kD + ch * 8, ok);
+    if (kPass2)
+      cp_async_16(smem_u32(v_s + swz<kRowBytes>(r, ch)), a.v + (row * a.Hkv + kvh) * kD + ch * 8, ok);
+  }
+
+  // Round loads: warp w's token's 16 Q rows into its own buffer; the round's 8 proxy query rows
+  // (rows 8..15 zero) into qp buffer `buf`.
+  auto issue_round = [&](int base, int buf) {
+    const int e = base + warp;
+    const bool act = e < hi;
+    const int64_t t = act ? a.vals[e] / a.K : 0;
+    unsigned char* qd = q_s + warp * kM * kRowBytes;
+#pragma unroll
+    for (int i = 0; i < kM * 16 / 32; ++i) {
+      const int c = i * 32 + lane, r = c >> 4, ch = c & 15;
+      cp_async_16(smem_u32(qd + swz<kRowBytes>(r, ch)), a.q + (t * a.H + h0 + r) * kD + ch * 8, act);
+    }
+    const int r = tid >> 4, ch = tid & 15;
+    const bool pact = r < kWarps && base + r < hi;
+    const int64_t tr = pact ? a.vals[base + r] / a.K : 0;
+    cp_async_16(smem_u32(qp_s + buf * 16 * kRowBytes + swz<kRowBytes>(r, ch)),
+                a.qp + (tr * a.Hp + p) * kD + ch * 8, pact);
+  };
+
+  issue_round(lo, 0);
+  cp_async_commit();
+  float kl_sum = 0.f;
+  int buf = 0;
+  for (int base = lo; base < hi; base += kWarps, buf ^= 1) {
+    cp_async_wait<0>();
+    __syncthreads();  // round data (and the tiles) landed; last round's sp_s reads are done
+
+    // Proxy scores of the round's tokens (rows) against the block's keys: warp w takes keys
+    // [16w, 16w+16) so the 8 warps share the one 16-row product. Only the KL needs them.
+    if (a.with_kl) {
+      uint32_t af[kD / 16][4];
+      load_a(af, qp_s + buf * 16 * kRowBytes, lane);
+      float sp[2][4];
+      scores<2>(sp, af, kp_s, warp * 16, lane);
+      const int e = base + g;
+      if (e < hi) {
+        const int tpos = static_cast<int>(a.vals[e] / a.K - s0);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+#pragma unroll
+          for (int x = 0; x < 2; ++x) {
+            const int col = warp * 16 + j * 8 + c2 + x;
+            sp_s[g * kBlk + col] = key0 + col <= tpos ? sp[j][x] * a.proxy_scale : -INFINITY;
+          }
+        }
+      }
+    }
+    const int e = base + warp;
+    const bool act = e < hi;
+    uint32_t qf[kD / 16][4];
+    if (act) load_a(qf, q_s + warp * kM * kRowBytes, lane);
+    __syncwarp();
+    __syncthreads();  // sp_s complete; qp buffer `buf` fully read
+    if (base + kWarps < hi) issue_round(base + kWarps, buf ^ 1);
+    cp_async_commit();
+    if (!act) continue;
+
+    const int tk = a.vals[e];
+    const int64_t t = tk / a.K;
+    const int slot = tk - static_cast<int>(t) * a.K;
+    const int tpos = static_cast<int>(t - s0);
+    const int64_t tc = t - a.c0;
+    const float* sp_row = sp_s + warp * kBlk;
+
+    if (!kPass2) {
+      float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
+#pragma unroll
+      for (int sub = 0; sub < kBlk / 32; ++sub) {
+        if (key0 + sub * 32 > tpos) break;
+        float s[4][4];
+        scores<4>(s, qf, k_s, sub * 32, lane);
+        float mx_lo = m_lo, mx_hi = m_hi;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+#pragma unroll
+          for (int x = 0; x < 2; ++x) {
+            const bool vis = key0 + sub * 32 + j * 8 + c2 + x <= tpos;
+            s[j][x] = vis ? s[j][x] * a.scale_log2 : -INFINITY;
+            s[j][2 + x] = vis ? s[j][2 + x] * a.scale_log2 : -INFINITY;
+            mx_lo = fmaxf(mx_lo, s[j][x]);
+            mx_hi = fmaxf(mx_hi, s[j][2 + x]);
+          }
+        }
+        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
+        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
+        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
+        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
+        // Column 0 of every processed sub-tile is visible, so the maxima are finite.
+        float sum_lo = 0.f, sum_hi = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          sum_lo += exp2f(s[j][0] - mx_lo) + exp2f(s[j][1] - mx_lo);
+          sum_hi += exp2f(s[j][2] - mx_hi) + exp2f(s[j][3] - mx_hi);
+        }
+        l_lo = l_lo * exp2f(m_lo - mx_lo) + sum_lo;
+        l_hi = l_hi * exp2f(m_hi - mx_hi) + sum_hi;
+        m_lo = mx_lo;
+        m_hi = mx_hi;
+      }
+      l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
+      l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
+      l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
+      l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
+      if ((lane & 3) == 0) {
+        float* dst = a.part + (tc * a.H + h0 + g) * a.K + slot;
+        dst[0] = m_lo + log2f(l_lo);
+        dst[8 * a.K] = m_hi + log2f(l_hi);
+      }
+      // The proxy row of this token: 128 scores, 4 per lane.
+      if (!a.with_kl) continue;
+      const float4 sv = reinterpret_cast<const float4*>(sp_row)[lane];
+      float mx = fmaxf(fmaxf(sv.x, sv.y), fmaxf(sv.z, sv.w));
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      float se = __expf(sv.x - mx) + __expf(sv.y - mx) + __expf(sv.z - mx) + __expf(sv.w - mx);
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) se += __shfl_xor_sync(0xffffffffu, se, off);
+      if (lane == 0) a.part_s[(tc * a.Hp + p) * a.K + slot] = mx + __logf(se);
+    } else {
+      const float lse2_lo = a.lse[(h0 + g) * a.T + t] * kLog2e;
+      const float lse2_hi = a.lse[(h0 + g + 8) * a.T + t] * kLog2e;
+      const float lse_s = a.with_kl ? a.lse_s[tc * a.Hp + p] : 0.f;
+      float o[kD / 8][4];
+#pragma unroll
+      for (int j = 0; j < kD / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+#pragma unroll
+      for (int sub = 0; sub < kBlk / 32; ++sub) {
+        if (key0 + sub * 32 > tpos) break;
+        float s[4][4];
+        scores<4>(s, qf, k_s, sub * 32, lane);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+#pragma unroll
+          for (int x = 0; x < 2; ++x) {
+            const bool vis = key0 + sub * 32 + j * 8 + c2 + x <= tpos;
+            s[j][x] = vis ? exp2f(s[j][x] * a.scale_log2 - lse2_lo) : 0.f;
+            s[j][2 + x] = vis ? exp2f(s[j][2 + x] * a.scale_log2 - lse2_hi) : 0.f;
+          }
+        }
+        if (a.with_kl) {
+          // Teacher column sums by a reduce-scatter over the 8 row groups: afterwards lane
+          // (g, c) holds the 16-row sum of column (g >> 1) * 8 + 2c + (g & 1).
+          float vv[8];
+#pragma unroll
+          for (int kk = 0; kk < 8; ++kk) vv[kk] = s[kk >> 1][kk & 1] + s[kk >> 1][2 + (kk & 1)];
+          const bool b2 = (g >> 2) & 1, b1 = (g >> 1) & 1, b0 = g & 1;
+          float h4[4], h2[2];
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            h4[i] = (b2 ? vv[i + 4] : vv[i]) + __shfl_xor_sync(0xffffffffu, b2 ? vv[i] : vv[i + 4], 16);
+#pragma unroll
+          for (int i = 0; i < 2; ++i)
+            h2[i] = (b1 ? h4[i + 2] : h4[i]) + __shfl_xor_sync(0xffffffffu, b1 ? h4[i] : h4[i + 2], 8);
+          const float colsum = (b0 ? h2[1] : h2[0]) + __shfl_xor_sync(0xffffffffu, b0 ? h2[0] : h2[1], 4);
+          const int col = sub * 32 + (g >> 1) * 8 + c2 + (g & 1);
+          if (key0 + col <= tpos) {
+            const float tch = colsum * (1.f / kM);
+            if (tch > 0.f) kl_sum += tch * (__logf(tch) - (sp_row[col] - lse_s));
+          }
+        }
+        uint32_t pf[2][4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          pf[j / 2][(j & 1) * 2 + 0] = pack_bf16x2(s[j][0], s[j][1]);
+          pf[j / 2][(j & 1) * 2 + 1] = pack_bf16x2(s[j][2], s[j][3]);
+        }
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+#pragma unroll
+          for (int dp = 0; dp < kD / 16; ++dp) {
+            uint32_t bfr[4];
+            ldmatrix_x4_trans(bfr, smem_u32(v_s + swz<kRowBytes>(sub * 32 + kk * 16 + (lane & 7) +
+                                                                     ((lane >> 3) & 1) * 8,
+                                                                 dp * 2 + (lane >> 4))));
+            mma_bf16_16816(o[2 * dp], pf[kk], bfr[0], bfr[1]);
+            mma_bf16_16816(o[2 * dp + 1], pf[kk], bfr[2], bfr[3]);
+          }
+        }
+      }
+      // Partner lanes (c, c^1) swap halves so each issues one 16-byte atomic per 8 columns:
+      // the even lane takes row g, columns 2c..2c+3; the odd lane row g+8, columns 2c-2..2c+1.
+#ifdef FLASHMSA_KV_DIAG
+      if (a.diag_skip_atomics) {
+        if (o[0][0] == 12345.f) a.o_acc[0] = o[1][1];  // keeps the products live
+        continue;
+      }
+#endif
+      float* dst = a.o_acc + (tc * a.H + h0) * kD;
+      const bool odd = lane & 1;
+#pragma unroll
+      for (int j = 0; j < kD / 8; ++j) {
+        const float r0 = __shfl_xor_sync(0xffffffffu, odd ? o[j][0] : o[j][2], 1);
+        const float r1 = __shfl_xor_sync(0xffffffffu, odd ? o[j][1] : o[j][3], 1);
+        if (!odd)
+          atomicAdd(reinterpret_cast<float4*>(dst + g * kD + j * 8 + c2), make_float4(o[j][0], o[j][1], r0, r1));
+        else
+          atomicAdd(reinterpret_cast<float4*>(dst + (g + 8) * kD + j * 8 + c2 - 2),
+                    make_float4(r0, r1, o[j][2], o[j][3]));
+      }
+    }
+  }
+  if (kPass2 && a.with_kl) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) kl_sum += __shfl_xor_sync(0xffffffffu, kl_sum, off);
+    if (lane == 0 && kl_sum != 0.f) atomicAdd(a.kl_acc, kl_sum);
+  }
+}
+
+// lse[h, t] and the student's lse[tc, p] from the per-slot partials of pass 1, over the slots
+// the token really selected (the others were never written).
+__global__ void kv_merge_kernel(const int32_t* __restrict__ block_idx,  // [Hp, T, K]
+                                const int32_t* __restrict__ cu, int B, int64_t T, int K, int H, int Hp,
+                                int64_t c0, int64_t n,  // n = Tc * (H + Hp)
+                                bool with_proxy,
+                                const float* __restrict__ part,    // [Tc, H, K] log2 units
+                                const float* __restrict__ part_s,  // [Tc, Hp, K] natural
+                                float* __restrict__ lse,           // [H, T]
+                                float* __restrict__ lse_s) {       // [Tc, Hp]
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  const int64_t tc = i / (H + Hp);
+  const int r = static_cast<int>(i - tc * (H + Hp));
+  const int64_t t = c0 + tc;
+  const bool main_row = r < H;
+  if (!main_row && !with_proxy) return;
+  const int p = main_row ? r / (H / Hp) : r - H;
+  const int seq = find_sequence(cu, B, t);
+  const int nloc = static_cast<int>((t - cu[seq]) / kBlk);
+  const int32_t* sel = block_idx + (p * T + t) * K;
+  const float* src = main_row ? part + (tc * H + r) * K : part_s + (tc * Hp + p) * K;
+  float mx = -INFINITY;
+  for (int s = 0; s < K; ++s) {
+    const int blk = sel[s];
+    if (blk >= 0 && blk <= nloc) mx = fmaxf(mx, src[s]);
+  }
+  float sum = 0.f;
+  for (int s = 0; s < K; ++s) {
+    const int blk = sel[s];
+    if (blk >= 0 && blk <= nloc) sum += main_row ? exp2f(src[s] - mx) : __expf(src[s] - mx);
+  }
+  if (main_row) lse[r * T + t] = sum > 0.f ? (mx + log2f(sum)) * kLn2 : -INFINITY;
+  else lse_s[tc * Hp + p] = sum > 0.f ? mx + __logf(sum) : -INFINITY;
+}
+
+__global__ void kv_convert_kernel(const float4* __restrict__ acc,  // [n4]
+                                  int64_t n4, uint2* __restrict__ out) {  // [n4] of 4 bf16
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n4;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float4 x = acc[i];
+    out[i] = make_uint2(pack_bf16x2(x.x, x.y), pack_bf16x2(x.z, x.w));
+  }
+}
+
+__global__ void kv_kl_final_kernel(const float* __restrict__ acc, float factor, float* __restrict__ kl) {
+  kl[0] = acc[0] * factor;
+}
+
+int grid_for(int64_t n, int threads, int64_t cap = 65536) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(cap, (n + threads - 1) / threads)));
+}
+
+class Workspace {
+ public:
+  size_t add(size_t bytes) {
+    const size_t at = size_;
+    size_ += (bytes + 255) / 256 * 256;
+    return at;
+  }
+  size_t size() const { return size_; }
+  void allocate(cudaStream_t s) {
+    if (size_ > 0) FLASHMSA_CUDA_CHECK(cudaMallocAsync(&base_, size_, s));
+  }
+  void release(cudaStream_t s) {
+    if (base_) FLASHMSA_CUDA_CHECK(cudaFreeAsync(base_, s));
+    base_ = nullptr;
+  }
+  template <typename U>
+  U* at(size_t offset) const {
+    return reinterpret_cast<U*>(static_cast<unsigned char*>(base_) + offset);
+  }
+
+ private:
+  void* base_ = nullptr;
+  size_t size_ = 0;
+};
+
+}  // namespace
+
+bool kv_forward_applies(const MsaParams& p) {
+  if (p.deterministic) return false;
+  if (p.D != kD || p.Dv != kD || p.Dp != kD || p.block_size != kBlk) return false;
+  if (p.H / p.Hp != kM) return false;
+  if ((p.H / p.Hkv) % kM != 0) return false;  // a group's 16 heads share one kv head
+  if (p.top_k > 32) return false;  // as the selector; longer lists are untested here
+  if (static_cast<int64_t>(p.Hp) * p.T * p.top_k >= INT32_MAX) return false;
+  if (static_cast<int64_t>(p.T) * p.H * kD >= (int64_t{1} << 40)) return false;
+  return p.T > 0;
+}
+
+void launch_kv_forward(const MsaParams& p, cudaStream_t stream) {
+  const int64_t T = p.T;
+  const int K = p.top_k;
+  int NB = 0;
+  for (int b = 0; b < p.B; ++b) NB += (p.cu_seqlens_host[b + 1] - p.cu_seqlens_host[b] + kBlk - 1) / kBlk;
+  const int64_t n_entries = static_cast<int64_t>(p.Hp) * T * K;
+  const int64_t nkeys = static_cast<int64_t>(p.Hp) * NB;  // also the sentinel key
+  if (nkeys + 1 >= INT32_MAX)
+    throw Error("flashmsa: sparse_attention_forward: argument 'q' has too many blocks");
+  int end_bit = 1;
+  while ((int64_t{1} << end_bit) <= nkeys) ++end_bit;
+
+  size_t cub_bytes = 0;
+  FLASHMSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+      nullptr, cub_bytes, static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
+      static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), n_entries, 0, end_bit, stream));
+
+  Workspace ws;
+  const size_t o_blk_off = ws.add((p.B + 1) * sizeof(int32_t));
+  const size_t o_blk_seq = ws.add(std::max(NB, 1) * sizeof(int32_t));
+  const size_t o_keys_in = ws.add(n_entries * 4), o_keys_out = ws.add(n_entries * 4);
+  const size_t o_vals_in = ws.add(n_entries * 4), o_vals_out = ws.add(n_entries * 4);
+  const size_t o_seg = ws.add((nkeys + 1) * sizeof(int32_t));
+  const size_t o_cub = ws.add(cub_bytes);
+  const size_t o_kl = ws.add(sizeof(float));
+
+  // Chunk of tokens: the per-token buffers below plus the index stay within 0.45 x size of q
+  // (at least 1024 tokens per chunk, so small problems do not pay many launches).
+  const double q_bytes = static_cast<double>(T) * p.H * kD * 2;
+  const double per_token = static_cast<double>(p.H) * K * 4 + static_cast<double>(p.Hp) * (K + 1) * 4 +
+                           static_cast<double>(p.H) * kD * 4 + 4 * 256.0 / 1024;
+  const double budget = 0.45 * q_bytes - static_cast<double>(ws.size());
+  int64_t Tc = static_cast<int64_t>(std::max(0.0, budget / per_token));
+  Tc = std::min<int64_t>(T, std::max<int64_t>(std::min<int64_t>(T, 1024), Tc));
+#ifdef FLASHMSA_KV_DIAG
+  if (const char* e = std::getenv("FLASHMSA_KV_CHUNK")) Tc = std::min<int64_t>(T, std::atoll(e));
+  cudaEvent_t ev[8];
+  for (auto& x : ev) cudaEventCreate(&x);
+  float t_pass1 = 0.f, t_merge = 0.f, t_pass2 = 0.f, t_conv = 0.f, t_index = 0.f, ms = 0.f;
+  cudaEventRecord(ev[0], stream);
+#endif
+  const size_t o_part = ws.add(Tc * p.H * K * sizeof(float));
+  const size_t o_part_s = ws.add(Tc * p.Hp * K * sizeof(float));
+  const size_t o_lse_s = ws.add(Tc * p.Hp * sizeof(float));
+  const size_t o_acc = ws.add(Tc * p.H * kD * sizeof(float));
+  ws.allocate(stream);
+
+  // ---- the inverted index ----
+  if (p.B > 0) {
+    build_tile_offsets_kernel<<<1, 1024, 0, stream>>>(p.cu_seqlens, p.B, kBlk, ws.at<int32_t>(o_blk_off));
+    FLASHMSA_CHECK_LAUNCH();
+    kv_block_sequence_kernel<<<p.B, 128, 0, stream>>>(ws.at<int32_t>(o_blk_off), ws.at<int32_t>(o_blk_seq));
+    FLASHMSA_CHECK_LAUNCH();
+  }
+  kv_make_keys_kernel<<<grid_for(n_entries, 256), 256, 0, stream>>>(
+      p.block_idx, p.cu_seqlens, ws.at<int32_t>(o_blk_off), p.B, T, K, NB, n_entries,
+      static_cast<uint32_t>(nkeys), ws.at<uint32_t>(o_keys_in), ws.at<int32_t>(o_vals_in));
+  FLASHMSA_CHECK_LAUNCH();
+  FLASHMSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+      ws.at<void>(o_cub), cub_bytes, ws.at<const uint32_t>(o_keys_in), ws.at<uint32_t>(o_keys_out),
+      ws.at<const int32_t>(o_vals_in), ws.at<int32_t>(o_vals_out), n_entries, 0, end_bit, stream));
+  kv_list_offsets_kernel<<<grid_for(nkeys + 1, 256, INT_MAX), 256, 0, stream>>>(
+      ws.at<uint32_t>(o_keys_out), n_entries, nkeys, ws.at<int32_t>(o_seg));
+  FLASHMSA_CHECK_LAUNCH();
+
+#ifdef FLASHMSA_KV_DIAG
+  cudaEventRecord(ev[1], stream);
+  cudaEventSynchronize(ev[1]);
+  cudaEventElapsedTime(&t_index, ev[0], ev[1]);
+#endif
+  KvArgs a;
+#ifdef FLASHMSA_KV_DIAG
+  a.diag_skip_atomics = std::getenv("FLASHMSA_KV_SKIP_ATOMICS") != nullptr;
+#endif
+  a.q = static_cast<const bf16*>(p.q);
+  a.k = static_cast<const bf16*>(p.k);
+  a.v = static_cast<const bf16*>(p.v);
+  a.qp = static_cast<const bf16*>(p.qp);
+  a.kp = static_cast<const bf16*>(p.kp);
+  a.cu = p.cu_seqlens;
+  a.blk_off = ws.at<int32_t>(o_blk_off);
+  a.blk_seq = ws.at<int32_t>(o_blk_seq);
+  a.seg = ws.at<int32_t>(o_seg);
+  a.vals = ws.at<int32_t>(o_vals_out);
+  a.part = ws.at<float>(o_part);
+  a.part_s = ws.at<float>(o_part_s);
+  a.lse = p.lse;
+  a.lse_s = ws.at<float>(o_lse_s);
+  a.o_acc = ws.at<float>(o_acc);
+  a.kl_acc = ws.at<float>(o_kl);
+  a.T = T;
+  a.B = p.B;
+  a.H = p.H;
+  a.Hkv = p.Hkv;
+  a.Hp = p.Hp;
+  a.Hpk = p.Hpk;
+  a.K = K;
+  a.NB = NB;
+  a.scale_log2 = p.scale * kLog2e;
+  a.proxy_scale = p.proxy_scale;
+  a.with_kl = p.kl != nullptr;
+
+  constexpr int smem1 = kv_smem_bytes<false>(), smem2 = kv_smem_bytes<true>();
+  FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kv_pass_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem1));
+  FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kv_pass_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem2));
+  FLASHMSA_CUDA_CHECK(cudaMemsetAsync(a.kl_acc, 0, sizeof(float), stream));
+  const unsigned grid = static_cast<unsigned>(nkeys);
+  auto* o_out = static_cast<uint2*>(p.o);
+  for (int64_t c0 = 0; c0 < T; c0 += Tc) {
+    const int64_t c1 = std::min(T, c0 + Tc), tc = c1 - c0;
+    a.c0 = c0;
+    a.c1 = c1;
+    FLASHMSA_CUDA_CHECK(cudaMemsetAsync(a.o_acc, 0, tc * p.H * kD * sizeof(float), stream));
+#ifdef FLASHMSA_KV_DIAG
+    cudaEventRecord(ev[2], stream);
+#endif
+    if (grid > 0) {
+      kv_pass_kernel<false><<<grid, kThreads, smem1, stream>>>(a);
+      FLASHMSA_CHECK_LAUNCH();
+    }
+#ifdef FLASHMSA_KV_DIAG
+    cudaEventRecord(ev[3], stream);
+#endif
+    const int64_t nm = tc * (p.H + p.Hp);
+    kv_merge_kernel<<<grid_for(nm, 256, INT_MAX), 256, 0, stream>>>(
+        p.block_idx, p.cu_seqlens, p.B, T, K, p.H, p.Hp, c0, nm, a.with_kl, a.part, a.part_s, p.lse, ws.at<float>(o_lse_s));
+    FLASHMSA_CHECK_LAUNCH();
+#ifdef FLASHMSA_KV_DIAG
+    cudaEventRecord(ev[4], stream);
+#endif
+    if (grid > 0) {
+      kv_pass_kernel<true><<<grid, kThreads, smem2, stream>>>(a);
+      FLASHMSA_CHECK_LAUNCH();
+    }
+#ifdef FLASHMSA_KV_DIAG
+    cudaEventRecord(ev[5], stream);
+#endif
+    const int64_t n4 = tc * p.H * kD / 4;
+    kv_convert_kernel<<<grid_for(n4, 256), 256, 0, stream>>>(reinterpret_cast<const float4*>(a.o_acc), n4,
+                                                             o_out + c0 * p.H * kD / 4);
+    FLASHMSA_CHECK_LAUNCH();
+#ifdef FLASHMSA_KV_DIAG
+    cudaEventRecord(ev[6], stream);
+    cudaEventSynchronize(ev[6]);
+    cudaEventElapsedTime(&ms, ev[2], ev[3]); t_pass1 += ms;
+    cudaEventElapsedTime(&ms, ev[3], ev[4]); t_merge += ms;
+    cudaEventElapsedTime(&ms, ev[4], ev[5]); t_pass2 += ms;
+    cudaEventElapsedTime(&ms, ev[5], ev[6]); t_conv += ms;
+#endif
+  }
+#ifdef FLASHMSA_KV_DIAG
+  std::fprintf(stderr, "kvdiag T=%lld Tc=%lld kl=%d index %.2f pass1 %.2f merge %.2f pass2 %.2f convert %.2f ms\n",
+               (long long)T, (long long)Tc, (int)a.with_kl, t_index, t_pass1, t_merge, t_pass2, t_conv);
+  for (auto& x : ev) cudaEventDestroy(x);
+#endif
+  if (p.kl) {
+    kv_kl_final_kernel<<<1, 1, 0, stream>>>(a.kl_acc, static_cast<float>(p.kl_coeff / (static_cast<double>(p.Hp) * T)),
+                                            p.kl);
+    FLASHMSA_CHECK_LAUNCH();
+  }
+  ws.release(stream);
+}
+
+}  // namespace flashmsa::cuda
