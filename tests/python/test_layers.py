@@ -1,0 +1,193 @@
+"""flashmsa.layers.MSAAttention on CPU: shapes, where gradients go, the mode switch, packing."""
+import math
+
+import pytest
+import torch
+
+from flashmsa.layers import MSAAttention, positions_from_cu_seqlens, set_msa_mode
+from flashmsa.reference import msa_reference
+
+PROXY = ("wqp", "wkp", "qp_norm", "kp_norm")
+MAIN = ("wq", "wk", "wv", "wo", "q_norm", "k_norm")
+
+
+def make(seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = dict(d_model=48, n_heads=4, n_kv_heads=2, head_dim=12, n_proxy_heads=2,
+               n_proxy_kv_heads=1, proxy_dim=8, block_size=16, top_k=3)
+    cfg.update(kw)
+    m = MSAAttention(**cfg)
+    # the RMSNorm gains start at 1; random gains make a wrong norm or a missed one visible
+    with torch.no_grad():
+        for name in ("q_norm", "k_norm", "qp_norm", "kp_norm"):
+            getattr(m, name).weight.uniform_(0.5, 1.5)
+    return m
+
+
+def grads_by_module(m):
+    out = {}
+    for name in MAIN + PROXY:
+        g = [p.grad for p in getattr(m, name).parameters()]
+        out[name] = None if any(x is None for x in g) else sum(x.norm().item() for x in g)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["warmup", "sparse", "dense"])
+def test_shapes_and_finite(mode):
+    m = make().set_mode(mode)
+    x = torch.randn(2, 70, 48)
+    y, kl = m(x)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert kl.shape == () and kl.dtype == torch.float32
+    assert torch.isfinite(y).all()
+    if mode == "dense":
+        assert kl.item() == 0.0
+    else:
+        assert kl.item() > 0.0
+
+
+@pytest.mark.parametrize("mode", ["warmup", "sparse"])
+def test_gradients_task_loss_vs_kl(mode):
+    """The task loss reaches every main projection and no proxy parameter; kl_loss reaches
+    every proxy parameter and nothing else (the proxy reads x.detach())."""
+    m = make().set_mode(mode)
+    x = torch.randn(2, 70, 48, requires_grad=True)
+    y, kl = m(x)
+    (y * torch.randn_like(y)).sum().backward(retain_graph=True)
+    g = grads_by_module(m)
+    for name in MAIN:
+        assert g[name] is not None and g[name] > 0, name
+    for name in PROXY:
+        assert g[name] is None or g[name] == 0, name
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+    m.zero_grad(set_to_none=True)
+    x.grad = None
+    kl.backward()
+    g = grads_by_module(m)
+    for name in PROXY:
+        assert g[name] is not None and g[name] > 0, name
+    for name in MAIN:
+        assert g[name] is None or g[name] == 0, name
+    assert x.grad is None or x.grad.abs().sum() == 0
+
+
+def test_proxy_parameters_lists_exactly_the_proxy():
+    m = make()
+    ids = {id(p) for p in m.proxy_parameters()}
+    want = {id(p) for name in PROXY for p in getattr(m, name).parameters()}
+    assert ids == want
+
+
+def test_mode_switch_and_full_topk_equals_warmup():
+    """With top_k >= the number of blocks sparse attends to every causal key, so its output
+    and kl_loss are the warm-up's; with a small top_k they differ."""
+    S, blk = 70, 16
+    nb = math.ceil(S / blk)
+    m = make(top_k=nb)
+    x = torch.randn(2, S, 48)
+    y_w, kl_w = m.set_mode("warmup")(x)
+    y_s, kl_s = m.set_mode("sparse")(x)
+    y_d, _ = m.set_mode("dense")(x)
+    assert m.mode == "dense"
+    torch.testing.assert_close(y_s, y_w, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kl_s, kl_w, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(y_d, y_w, rtol=1e-4, atol=1e-5)
+
+    m.top_k = 2
+    y_2, _ = m.set_mode("sparse")(x)
+    assert (y_2 - y_w).abs().max() > 1e-3
+    with pytest.raises(ValueError):
+        m.set_mode("bogus")
+
+
+def test_set_msa_mode_reaches_nested_modules():
+    net = torch.nn.Sequential(make(), torch.nn.Sequential(make(seed=1)))
+    set_msa_mode(net, "warmup")
+    assert [mod.mode for mod in net.modules() if isinstance(mod, MSAAttention)] == ["warmup"] * 2
+
+
+def test_matches_reference_on_projections():
+    """forward = wo(msa(project(x))), checked against the eager reference, selection included."""
+    m = make().set_mode("sparse")
+    m.record_selection = True
+    x = torch.randn(2, 70, 48)
+    y, kl = m(x)
+    p = m.project(x)
+    r = msa_reference(*p, block_size=16, top_k=3)
+    want = m.wo(r.out.reshape(2, 70, -1))
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(kl, r.kl_loss, rtol=1e-4, atol=1e-6)
+    assert torch.equal(m.last_block_idx, r.block_idx)
+
+
+def test_rope_is_applied_to_main_and_proxy():
+    """Shifting a sequence's content by one position changes q/qp (RoPE) but rotating back
+    gives the same dot products: scores depend on relative positions only."""
+    m = make()
+    x = torch.randn(1, 20, 48)
+    p = m.project(x)
+    p_shift = m.project(torch.cat([torch.randn(1, 1, 48), x], dim=1))
+    for a, b in ((p.q, p_shift.q), (p.qp, p_shift.qp), (p.k, p_shift.k), (p.kp, p_shift.kp)):
+        assert not torch.allclose(a, b[:, 1:], atol=1e-4)  # absolute positions differ
+    s = torch.einsum("bthd,bjhd->bhtj", p.qp, p.kp.expand_as(p.qp))
+    s_shift = torch.einsum("bthd,bjhd->bhtj", p_shift.qp[:, 1:], p_shift.kp[:, 1:].expand_as(p.qp))
+    torch.testing.assert_close(s, s_shift, rtol=1e-4, atol=1e-4)
+    s = torch.einsum("bthd,bjhd->bhtj", p.q[:, :, :2], p.k[:, :, :1].expand(-1, -1, 2, -1))
+    s_shift = torch.einsum("bthd,bjhd->bhtj", p_shift.q[:, 1:, :2],
+                           p_shift.k[:, 1:, :1].expand(-1, -1, 2, -1))
+    torch.testing.assert_close(s, s_shift, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["warmup", "sparse", "dense"])
+def test_packed_equals_separate(mode):
+    """Packed sequences (cu_seqlens) give each sequence what it gets alone, RoPE restarting."""
+    m = make().set_mode(mode)
+    lens = [37, 0, 70, 5]
+    xs = [torch.randn(1, n, 48) for n in lens]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    packed = torch.cat(xs, dim=1)
+    y, kl = m(packed, cu)
+    assert y.shape == packed.shape
+    y2, _ = m(packed[0], cu)  # [T, d] works too
+    assert y2.shape == packed[0].shape
+    kl_sum = 0.0
+    for x, lo in zip(xs, cu[:-1].tolist()):
+        if x.shape[1] == 0:
+            continue
+        yi, kli = m(x)
+        torch.testing.assert_close(y[:, lo:lo + x.shape[1]], yi, rtol=1e-4, atol=1e-5)
+        kl_sum += kli.item() * x.shape[1]
+    # kl_loss is a mean over tokens: the packed one is the token-weighted mean of the parts
+    assert abs(kl.item() - kl_sum / packed.shape[1]) < 1e-4 * max(1.0, abs(kl.item()))
+
+
+def test_positions_from_cu_seqlens():
+    cu = torch.tensor([0, 3, 3, 5], dtype=torch.int32)
+    assert positions_from_cu_seqlens(cu, 5).tolist() == [0, 1, 2, 0, 1]
+
+
+def test_bad_configurations():
+    with pytest.raises(ValueError):
+        MSAAttention(48, n_heads=4, n_kv_heads=3)
+    with pytest.raises(ValueError):
+        MSAAttention(48, n_heads=4, n_proxy_heads=3)
+    with pytest.raises(ValueError):
+        MSAAttention(48, n_heads=4, n_proxy_heads=2, n_proxy_kv_heads=3)
+    with pytest.raises(ValueError):
+        MSAAttention(48, n_heads=4, head_dim=7)
+    with pytest.raises(ValueError):
+        make()(torch.randn(70, 48))  # 2-D input needs cu_seqlens
+
+
+def test_training_step_changes_only_what_it_should():
+    """One optimiser step on task + kl: main and proxy parameters both move."""
+    m = make().set_mode("sparse")
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    x = torch.randn(2, 70, 48)
+    y, kl = m(x)
+    (y.square().mean() + kl).backward()
+    opt.step()
+    for n, p in m.named_parameters():
+        assert not torch.equal(p, before[n]), n
