@@ -260,6 +260,19 @@ TEST(CudaBackward, FewerVisibleBlocksThanK) {
   check_backward(shape(4, 1, 1, 1, 128, 16, {1100, 77}), 18, true, 2.f);
 }
 
+TEST(CudaBackward, FoldedLargeGroupD128) {
+  GPUTEST_REQUIRE_DEVICE();
+  // m = 16 heads per proxy group inside one kv head (the m3 ratios): the KL runs inside the
+  // main kernel; partial last tiles, two sequences, g != 1, deterministic mode too.
+  check_backward(shape(32, 2, 2, 1, 128, 4, {1200, 333}), 20, true, 0.4f, true);
+}
+
+TEST(CudaBackward, FoldedGroupsShareKvHead) {
+  GPUTEST_REQUIRE_DEVICE();
+  // m = 4, H/Hkv = 8: folded KL with dk/dv through accumulators, Hp == Hpk (dkp per tile).
+  check_backward(shape(8, 1, 2, 2, 64, 3, {500}), 21, false, 1.f, true);
+}
+
 TEST(CudaBackward, EmptyBatchWritesZeroKl) {
   GPUTEST_REQUIRE_DEVICE();
   Shape s = shape(4, 1, 1, 1, 64, 4, {});

@@ -6,6 +6,11 @@
 //                      warp w owns keys 16w..16w+15, so dK and dV never leave registers)
 //   kl_bwd_kernel    : the teacher (mean of the group's m softmaxes, rebuilt from q, k, lse),
 //                      the KL value, dqp and dkp
+// When every proxy group lies inside one kv head (H/Hkv a multiple of m = H/Hp, m >= 2: the m3
+// shape), attn_bwd_kernel<D, true> also does kl_bwd_kernel's work: its head segment is the whole
+// group, so the softmaxes the teacher needs are already in registers at each head step; they are
+// summed in shared memory and the proxy part runs once per token tile, after the group's last
+// head. That removes the teacher's second computation of S (m products per tile).
 #pragma once
 
 #include "sm90/backward_tiles.cuh"
@@ -172,6 +177,48 @@ __device__ __forceinline__ void tokens_times_keys(float (&out)[D / 16][4], uint3
   }
 }
 
+// acc (keys 16w.. x NC columns from c0) += X^T (keys x 64 tokens, in registers) . Ytile[:, c0..].
+// A column slice of accumulate_key_side, so a transient accumulator needs only NC/2 registers.
+// X arrives already packed as bf16 A fragments (xa[kk] = acc_to_a of n-tiles 2kk, 2kk+1).
+template <int D, int NC>
+__device__ __forceinline__ void accumulate_key_side_cols(float (&acc)[NC / 8][4], const uint32_t (&xa)[4][4],
+                                                         uint32_t y_base, int c0, int lane) {
+  constexpr int RB = D * 2;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+    for (int j = 0; j < NC / 16; ++j) {
+      uint32_t b[4];
+      load_b_kn<RB>(b, y_base, c0 + 16 * j, 16 * kk, lane);
+      mma_bf16_16816(acc[2 * j], xa[kk], b[0], b[1]);
+      mma_bf16_16816(acc[2 * j + 1], xa[kk], b[2], b[3]);
+    }
+  }
+}
+
+// Adds one accumulator n-tile (row lo: x0, x1; row hi = lo + 8: y0, y1; columns 2c..2c+1) into a
+// shared global buffer. at_lo / at_hi: element index of (row, column 2c); ok_*: the row exists.
+// fp32 mode: lanes c and c^1 swap half their values so that each lane holds 4 consecutive
+// columns of one row, and one 16-byte atomic replaces two 8-byte ones (half the L2 atomic
+// operations). Needs the whole warp, 16-byte aligned rows. Fixed-point mode: element atomics.
+__device__ __forceinline__ void acc_add_tile(void* base, int64_t at_lo, int64_t at_hi, bool ok_lo, bool ok_hi,
+                                             float x0, float x1, float y0, float y1, float fx, int c4) {
+  if (fx > 0.f) {
+    if (ok_lo) acc_add2(base, at_lo, x0, x1, fx);
+    if (ok_hi) acc_add2(base, at_hi, y0, y1, fx);
+    return;
+  }
+  const bool even = (c4 & 1) == 0;
+  const float r0 = __shfl_xor_sync(0xffffffffu, even ? y0 : x0, 1);
+  const float r1 = __shfl_xor_sync(0xffffffffu, even ? y1 : x1, 1);
+  float* f = reinterpret_cast<float*>(base);
+  if (even) {
+    if (ok_lo) atomicAdd(reinterpret_cast<float4*>(f + at_lo), make_float4(x0, x1, r0, r1));
+  } else {
+    if (ok_hi) atomicAdd(reinterpret_cast<float4*>(f + at_hi - 2), make_float4(r0, r1, y0, y1));
+  }
+}
+
 // The head segment s: a maximal run of heads sharing both the proxy head and the kv head.
 // Segments are cut at multiples of m = H/Hp and of r = H/Hkv.
 __device__ __forceinline__ void find_segment(int s, int H, int m, int r, int& h0, int& h1) {
@@ -192,16 +239,38 @@ __device__ __forceinline__ void find_segment(int s, int H, int m, int r, int& h0
 
 // ---------------------------------------------------------------------------------------------
 // Main attention backward over one (head segment, key block). Gathered rows are (token, head)
-// pairs of the segment; dq goes out through acc_add, dk/dv stay in registers until the end.
-// The (tile, head) steps are flattened into one sequence and the next step's Q, dO and
-// metadata are fetched (cp.async, second buffer) while the current step computes.
+// pairs of the segment; dq goes out through acc_add_tile, dk/dv stay in registers until the end.
+// The (tile, head) steps are flattened into one sequence (tile-major) and the next step's Q, dO
+// and metadata are fetched (cp.async, second buffer) while the current step computes.
 template <int D>
 constexpr int attn_smem_bytes() {
   // K, V [128][D]; two stages of Q, dO [64][D]; dS^T [128][64]; two stages of metadata
   return 2 * kBlk * D * 2 + 4 * kTileTok * D * 2 + kBlk * kTileTok * 2 + 2 * static_cast<int>(sizeof(TokMeta));
 }
 
+// The fold's extra shared memory, after attn_smem_bytes: the teacher sum (fp32, one slot per
+// thread and accumulator element) [32][256], Kp [128][D], Qp [64][D], the student lse [64],
+// the KL reduction [8] (padded).
 template <int D>
+constexpr int fold_smem_bytes() {
+  return kBlk * kTileTok * 4 + kBlk * D * 2 + kTileTok * D * 2 + kTileTok * 4 + 128;
+}
+
+// What the folded proxy part needs (attn_bwd_kernel<D, true> only).
+struct FoldArgs {
+  const bf16* qp;        // [T, Hp, D]
+  const bf16* kp;        // [T, Hpk, D]
+  const float* lse_s;    // [Hp, T] the student's lse over its selected keys
+  const float* kl_grad;  // [1] or null (g = 1)
+  void* dqp_acc;         // [T, Hp, D] fp32 or int64
+  void* dkp_acc;         // [T, Hpk, D] fp32 or int64 (always an accumulator here)
+  float* kl_part;        // [Hp, NB] sum of KL terms of each (p, block)
+  int Hpk = 1;
+  float scale_p = 1.f;
+  float c_base = 0.f;    // kl_coeff / (Hp*T); times g gives the dS factor
+};
+
+template <int D, bool FOLD>
 __global__ void __launch_bounds__(256, 1) attn_bwd_kernel(
     const bf16* __restrict__ q,    // [T, H, D]
     const bf16* __restrict__ k,    // [T, Hkv, D]
@@ -216,7 +285,8 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_kernel(
     bf16* __restrict__ dk,         // [T, Hkv, D] (owned)
     bf16* __restrict__ dv,         // [T, Hkv, D] (owned)
     void* __restrict__ dk_acc,     // [T, Hkv, D] (not owned)
-    void* __restrict__ dv_acc) {   // [T, Hkv, D] (not owned)
+    void* __restrict__ dv_acc,     // [T, Hkv, D] (not owned)
+    FoldArgs fa) {
   constexpr int RB = D * 2;
   constexpr int kTileBytes = kTileTok * RB;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -226,6 +296,12 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_kernel(
   unsigned char* sdO = sQ + 2 * kTileBytes;      // 2 x [64][D]
   unsigned char* sdS = sdO + 2 * kTileBytes;     // [128][64] dS^T
   TokMeta* tms = reinterpret_cast<TokMeta*>(sdS + kBlk * kTileTok * 2);  // 2 stages
+  // Fold only (beyond attn_smem_bytes):
+  float* sTch = reinterpret_cast<float*>(smem + attn_smem_bytes<D>());  // [8][256][4] teacher sums
+  unsigned char* sKp = reinterpret_cast<unsigned char*>(sTch + kBlk * kTileTok);  // [128][D]
+  unsigned char* sQp = sKp + kBlk * RB;                                           // [64][D]
+  float* sLseS = reinterpret_cast<float*>(sQp + kTileBytes);                      // [64]
+  float* sRed = sLseS + kTileTok;                                                 // [8]
   const uint32_t k_base = smem_u32(sK), v_base = smem_u32(sV), ds_base = smem_u32(sdS);
 
   // 1-D grid, segment fastest: the heavy early blocks of every segment start first.
@@ -238,26 +314,37 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_kernel(
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g4 = lane >> 2, c4 = lane & 3;
   const float fx_q = fx ? fx[0] : 0.f;
   const float scale2 = scale * kLog2e;
-  const int nh = h1 - h0;
+  const int nh = h1 - h0;  // with FOLD: the whole group, m >= 2 heads
   const int steps = (bc.end - bc.begin + kTileTok - 1) / kTileTok * nh;
+  const int pk = FOLD ? p / (Hp / fa.Hpk) : 0;
 
   float dK[D / 8][4], dV[D / 8][4];
 #pragma unroll
   for (int i = 0; i < D / 8; ++i)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dK[i][e] = dV[i][e] = 0.f;
+  float kl = 0.f;
+  if constexpr (FOLD) {
+    float4* slots = reinterpret_cast<float4*>(sTch) + threadIdx.x;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) slots[nt * 256] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
 
   if (steps > 0) {
-    auto key_row = [&](const bf16* base, int rr) -> const bf16* {
-      return bc.key0 + rr < bc.seq_len ? base + ((bc.seq_start + bc.key0 + rr) * Hkv + kvh) * D : nullptr;
+    auto key_row = [&](const bf16* base, int heads, int head, int rr) -> const bf16* {
+      return bc.key0 + rr < bc.seq_len ? base + ((bc.seq_start + bc.key0 + rr) * heads + head) * D : nullptr;
     };
-    load_rows_async<D, 256>(k_base, kBlk, k, [&](int rr) { return key_row(k, rr); });
-    load_rows_async<D, 256>(v_base, kBlk, v, [&](int rr) { return key_row(v, rr); });
+    load_rows_async<D, 256>(k_base, kBlk, k, [&](int rr) { return key_row(k, Hkv, kvh, rr); });
+    load_rows_async<D, 256>(v_base, kBlk, v, [&](int rr) { return key_row(v, Hkv, kvh, rr); });
+    if constexpr (FOLD)
+      load_rows_async<D, 256>(smem_u32(sKp), kBlk, fa.kp, [&](int rr) { return key_row(fa.kp, fa.Hpk, pk, rr); });
   }
 
   // Issues the loads of step `it` into stage `st` and commits them as one group. Thread
   // 4*row + part copies a quarter of row `row` of Q and dO; part 0/1/2 also fill the row's
   // token, lse and Di, so nothing here waits on a global load except the token index.
+  // Fold: the tile's Qp and student lse ride with its second head's step, which is issued
+  // after the previous tile's proxy part (at its last head) has finished with sQp.
   auto issue = [&](int it, int st) {
     const int i0 = bc.begin + (it / nh) * kTileTok, h = h0 + it % nh;
     const int n = min(kTileTok, bc.end - i0);
@@ -281,6 +368,17 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_kernel(
     } else if (part == 2) {
       cp_async_4(smem_u32(&tm.aux[row]), di + static_cast<int64_t>(ok ? t : 0) * H + h, ok);
     }
+    if constexpr (FOLD) {
+      if (it % nh == 1) {
+        const int64_t atp = (static_cast<int64_t>(ok ? t : 0) * Hp + p) * D;
+        const uint32_t qps = smem_u32(sQp);
+#pragma unroll
+        for (int c = part * kPer; c < (part + 1) * kPer; ++c)
+          cp_async_16(qps + swizzle_offset<RB>(row, c), fa.qp + atp + c * 8, ok);
+        if (part == 3)
+          cp_async_4(smem_u32(&sLseS[row]), fa.lse_s + static_cast<int64_t>(p) * ix.T + (ok ? t : 0), ok);
+      }
+    }
     cp_async_commit();
   };
   if (steps > 0) issue(0, 0);
@@ -301,16 +399,37 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_kernel(
     float sT[8][4], dpT[8][4];
     keys_times_tokens<D>(sT, k_base, q_base, warp, lane);
     keys_times_tokens<D>(dpT, v_base, do_base, warp, lane);
+    // A lane's columns come in pairs (2c, 2c+1): one 8-byte load per array and pair.
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+    for (int nt = 0; nt < 8; ++nt) {
+      const int col = 8 * nt + 2 * c4;
+      const int2 tp = *reinterpret_cast<const int2*>(&tm.tpos[col]);
+      const float2 ls = *reinterpret_cast<const float2*>(&tm.lse[col]);
+      const float2 ax = *reinterpret_cast<const float2*>(&tm.aux[col]);
+      const int tpv[2] = {tp.x, tp.y};
+      const float nl[2] = {-ls.x * kLog2e, -ls.y * kLog2e}, axv[2] = {ax.x, ax.y};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = bc.key0 + 16 * warp + g4 + 8 * (e >> 1);
-        const int col = 8 * nt + 2 * c4 + (e & 1);
-        const float pr = key <= tm.tpos[col] ? exp2f(fmaf(sT[nt][e], scale2, -tm.lse[col] * kLog2e)) : 0.f;
+        const float pr = key <= tpv[e & 1] ? exp2f(fmaf(sT[nt][e], scale2, nl[e & 1])) : 0.f;
         sT[nt][e] = pr;
-        dpT[nt][e] = pr * (dpT[nt][e] - tm.aux[col]);
+        dpT[nt][e] = pr * (dpT[nt][e] - axv[e & 1]);
       }
+    }
+    if constexpr (FOLD) {
+      // Teacher sums: thread-private float4 slots (so no barrier), zero at each tile's start.
+      // Kept out of the loop above: stores there would order every metadata load after them.
+      float4* slots = reinterpret_cast<float4*>(sTch) + threadIdx.x;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        float4 a = slots[nt * 256];
+        a.x += sT[nt][0];
+        a.y += sT[nt][1];
+        a.z += sT[nt][2];
+        a.w += sT[nt][3];
+        slots[nt * 256] = a;
+      }
+    }
     accumulate_key_side<D>(dV, sT, do_base, lane);
     accumulate_key_side<D>(dK, dpT, q_base, lane);
 #pragma unroll
@@ -321,21 +440,95 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_kernel(
     }
     __syncthreads();
 
-    float dq[D / 16][4];
-    tokens_times_keys<D>(dq, ds_base, k_base, warp, lane);
     const int n_base = (warp >> 2) * (D / 2);
+    {
+      float dq[D / 16][4];
+      tokens_times_keys<D>(dq, ds_base, k_base, warp, lane);
+      const int row = 16 * (warp & 3) + g4;
+      const int t_lo = tm.tok[row], t_hi = tm.tok[row + 8];
+      const int64_t at_lo = (static_cast<int64_t>(t_lo < 0 ? 0 : t_lo) * H + h) * D + n_base + 2 * c4;
+      const int64_t at_hi = (static_cast<int64_t>(t_hi < 0 ? 0 : t_hi) * H + h) * D + n_base + 2 * c4;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = 16 * (warp & 3) + g4 + 8 * half;
-      const int t = tm.tok[row];
-      if (t < 0) continue;
-      const int64_t at = (static_cast<int64_t>(t) * H + h) * D + n_base + 2 * c4;
-#pragma unroll
-      for (int nt = 0; nt < D / 16; ++nt) {
-        acc_add2(dq_acc, at + 8 * nt, dq[nt][2 * half] * scale, dq[nt][2 * half + 1] * scale, fx_q);
-      }
+      for (int nt = 0; nt < D / 16; ++nt)
+        acc_add_tile(dq_acc, at_lo + 8 * nt, at_hi + 8 * nt, t_lo >= 0, t_hi >= 0, dq[nt][0] * scale,
+                     dq[nt][1] * scale, dq[nt][2] * scale, dq[nt][3] * scale, fx_q, c4);
     }
     __syncthreads();  // this stage and sdS are rewritten by the next steps
+
+    if constexpr (FOLD) {
+      if (it % nh == nh - 1) {
+        // The proxy part of this tile: student scores, KL terms, dS = c (Qs - Tch), dkp, dqp.
+        const uint32_t qp_base = smem_u32(sQp), kp_base = smem_u32(sKp);
+        const float c = fa.c_base * (fa.kl_grad ? __ldg(fa.kl_grad) : 1.f);
+        const float inv_m = 1.f / static_cast<float>(nh);
+        float s[8][4];
+        keys_times_tokens<D>(s, kp_base, qp_base, warp, lane);
+        float4* slots = reinterpret_cast<float4*>(sTch) + threadIdx.x;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          const float4 t4 = slots[nt * 256];
+          slots[nt * 256] = make_float4(0.f, 0.f, 0.f, 0.f);  // the next tile starts from zero
+          const float tsum[4] = {t4.x, t4.y, t4.z, t4.w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = bc.key0 + 16 * warp + g4 + 8 * (e >> 1);
+            const int col = 8 * nt + 2 * c4 + (e & 1);
+            float ds = 0.f;
+            if (key <= tm.tpos[col]) {
+              const float log_qs = s[nt][e] * fa.scale_p - sLseS[col];
+              const float te = tsum[e] * inv_m;
+              if (te > 0.f) kl += te * (__logf(te) - log_qs);
+              ds = c * (__expf(log_qs) - te);
+            }
+            s[nt][e] = ds;
+          }
+        }
+        // dS^T as bf16 A fragments: feeds dkp from registers and is the sdS content for dqp.
+        uint32_t dsa[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) acc_to_a(dsa[kk], s[2 * kk], s[2 * kk + 1]);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          const int row = 16 * warp + g4, col = 8 * nt + 2 * c4;
+          *reinterpret_cast<uint32_t*>(sdS + swizzle_offset<128>(row, col >> 3) + (col & 7) * 2) =
+              dsa[nt >> 1][(nt & 1) * 2];
+          *reinterpret_cast<uint32_t*>(sdS + swizzle_offset<128>(row + 8, col >> 3) + (col & 7) * 2) =
+              dsa[nt >> 1][(nt & 1) * 2 + 1];
+        }
+        // dkp rows of this warp's keys, this tile's share, in two column halves.
+        const float fx_kp = fx ? fx[4] : 0.f;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float acc[D / 16][4];
+#pragma unroll
+          for (int i = 0; i < D / 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+          accumulate_key_side_cols<D, D / 2>(acc, dsa, qp_base, half * (D / 2), lane);
+          const int key = bc.key0 + 16 * warp + g4;
+          const int64_t at_lo =
+              ((bc.seq_start + key) * fa.Hpk + pk) * D + half * (D / 2) + 2 * c4;
+          const int64_t at_hi = at_lo + static_cast<int64_t>(8) * fa.Hpk * D;
+#pragma unroll
+          for (int nt = 0; nt < D / 16; ++nt)
+            acc_add_tile(fa.dkp_acc, at_lo + 8 * nt, at_hi + 8 * nt, key < bc.seq_len, key + 8 < bc.seq_len,
+                         acc[nt][0] * fa.scale_p, acc[nt][1] * fa.scale_p, acc[nt][2] * fa.scale_p,
+                         acc[nt][3] * fa.scale_p, fx_kp, c4);
+        }
+        __syncthreads();
+        float dqp[D / 16][4];
+        tokens_times_keys<D>(dqp, ds_base, kp_base, warp, lane);
+        const float fx_qp = fx ? fx[3] : 0.f;
+        const int row = 16 * (warp & 3) + g4;
+        const int t_lo = tm.tok[row], t_hi = tm.tok[row + 8];
+        const int64_t at_lo = (static_cast<int64_t>(t_lo < 0 ? 0 : t_lo) * Hp + p) * D + n_base + 2 * c4;
+        const int64_t at_hi = (static_cast<int64_t>(t_hi < 0 ? 0 : t_hi) * Hp + p) * D + n_base + 2 * c4;
+#pragma unroll
+        for (int nt = 0; nt < D / 16; ++nt)
+          acc_add_tile(fa.dqp_acc, at_lo + 8 * nt, at_hi + 8 * nt, t_lo >= 0, t_hi >= 0,
+                       dqp[nt][0] * fa.scale_p, dqp[nt][1] * fa.scale_p, dqp[nt][2] * fa.scale_p,
+                       dqp[nt][3] * fa.scale_p, fx_qp, c4);
+        __syncthreads();  // sdS, sQp and the stage metadata are rewritten next
+      }
+    }
   }
 
   // dk, dv rows of this warp's keys; rows past the sequence end belong to another sequence.
@@ -356,6 +549,19 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_kernel(
         acc_add2(dk_acc, at + 8 * nt, k0v, k1v, fx_k);
         acc_add2(dv_acc, at + 8 * nt, v0v, v1v, fx_v);
       }
+    }
+  }
+
+  if constexpr (FOLD) {
+    // The block's KL share, reduced in a fixed order (deterministic in every mode).
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) kl += __shfl_xor_sync(0xffffffffu, kl, off);
+    if (lane == 0) sRed[warp] = kl;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float total = 0.f;
+      for (int w = 0; w < 8; ++w) total += sRed[w];
+      fa.kl_part[static_cast<int64_t>(p) * ix.NB + g] = total;
     }
   }
 }

@@ -8,7 +8,8 @@
 //      binary search;
 //   3. Di = rowsum(dO * O) per (t, h); the student's lse per (p, t) from per-slot partials
 //      (KV-major pre-pass, then a merge);
-//   4. attn_bwd_kernel (dq, dk, dv) and kl_bwd_kernel (dqp, dkp, KL), KV-major;
+//   4. attn_bwd_kernel (dq, dk, dv) and kl_bwd_kernel (dqp, dkp, KL), KV-major; when every proxy
+//      group lies inside one kv head, one attn_bwd_kernel<D, true> does both (see the kernels);
 //   5. accumulators -> bf16, the KL sum -> kl.
 // Deterministic mode swaps the fp32 atomics for int64 fixed-point ones (see backward_tiles.cuh),
 // with per-tensor power-of-two factors derived on the device from bounds on each gradient.
@@ -247,7 +248,7 @@ template <int D>
 void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, const float* di,
                  float* part_max, float* part_sum, float* lse_s, void* dq_acc, void* dqp_acc,
                  void* dk_acc, void* dv_acc, void* dkp_acc, const float* fx, float* kl_part,
-                 bool main_owned, bool kl_owned, int nseg) {
+                 bool main_owned, bool kl_owned, int nseg, bool fold) {
   const int64_t nrow = static_cast<int64_t>(p.Hp) * p.T;
   const auto* q = static_cast<const bf16*>(p.q);
   const auto* k = static_cast<const bf16*>(p.k);
@@ -264,16 +265,38 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
       p.block_idx, p.cu_seqlens, p.B, p.T, p.top_k, nrow, part_max, part_sum, lse_s);
   FLASHMSA_CHECK_LAUNCH();
 
+  const float c_base = static_cast<float>(static_cast<double>(p.kl_coeff) / (static_cast<double>(p.Hp) * p.T));
+  const unsigned attn_grid = static_cast<unsigned>(ix.NB) * nseg;
+  if (fold) {
+    bwd::FoldArgs fa;
+    fa.qp = qp;
+    fa.kp = kp;
+    fa.lse_s = lse_s;
+    fa.kl_grad = p.kl_grad;
+    fa.dqp_acc = dqp_acc;
+    fa.dkp_acc = dkp_acc;
+    fa.kl_part = kl_part;
+    fa.Hpk = p.Hpk;
+    fa.scale_p = p.proxy_scale;
+    fa.c_base = c_base;
+    constexpr int smem = bwd::attn_smem_bytes<D>() + bwd::fold_smem_bytes<D>();
+    static_assert(smem <= 227 * 1024, "the folded backward must fit in one SM's shared memory");
+    set_smem(bwd::attn_bwd_kernel<D, true>, smem);
+    bwd::attn_bwd_kernel<D, true><<<attn_grid, 256, smem, stream>>>(
+        q, k, v, static_cast<const bf16*>(p.d_o), p.lse, di, ix, p.H, p.Hkv, p.Hp, nseg, p.scale, dq_acc, fx,
+        main_owned ? 1 : 0, static_cast<bf16*>(p.dk), static_cast<bf16*>(p.dv), dk_acc, dv_acc, fa);
+    FLASHMSA_CHECK_LAUNCH();
+    return;
+  }
   constexpr int attn_smem = bwd::attn_smem_bytes<D>();
-  set_smem(bwd::attn_bwd_kernel<D>, attn_smem);
-  bwd::attn_bwd_kernel<D><<<static_cast<unsigned>(ix.NB) * nseg, 256, attn_smem, stream>>>(
+  set_smem(bwd::attn_bwd_kernel<D, false>, attn_smem);
+  bwd::attn_bwd_kernel<D, false><<<attn_grid, 256, attn_smem, stream>>>(
       q, k, v, static_cast<const bf16*>(p.d_o), p.lse, di, ix, p.H, p.Hkv, p.Hp, nseg, p.scale, dq_acc, fx,
-      main_owned ? 1 : 0, static_cast<bf16*>(p.dk), static_cast<bf16*>(p.dv), dk_acc, dv_acc);
+      main_owned ? 1 : 0, static_cast<bf16*>(p.dk), static_cast<bf16*>(p.dv), dk_acc, dv_acc, bwd::FoldArgs{});
   FLASHMSA_CHECK_LAUNCH();
 
   constexpr int kl_smem = bwd::kl_smem_bytes<D>();
   set_smem(bwd::kl_bwd_kernel<D>, kl_smem);
-  const float c_base = static_cast<float>(static_cast<double>(p.kl_coeff) / (static_cast<double>(p.Hp) * p.T));
   bwd::kl_bwd_kernel<D><<<static_cast<unsigned>(ix.NB) * p.Hp, 256, kl_smem, stream>>>(
       q, k, qp, kp, p.lse, lse_s, ix, p.H, p.Hkv, p.Hp, p.Hpk, p.scale, p.proxy_scale, c_base, p.kl_grad,
       dqp_acc, fx, kl_owned ? 1 : 0, static_cast<bf16*>(p.dkp), dkp_acc, kl_part);
@@ -307,6 +330,12 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   for (int h = 0; h < p.H; ++h) nseg += (h % m == 0 || h % r == 0) ? 1 : 0;
   const bool main_owned = m % r == 0;  // every kv head lies inside one proxy group
   const bool kl_owned = p.Hp == p.Hpk;
+  // Fold the proxy's KL into the main kernel when each head segment is a whole proxy group
+  // (groups inside one kv head) of at least 2 heads (the proxy part's Qp loads with a tile's
+  // second head). The folded kernel accumulates dkp per token tile, so dkp always goes through
+  // an accumulator there.
+  const bool fold = r % m == 0 && m >= 2;
+  const bool dkp_in_acc = !kl_owned || fold;
   const bool det = p.deterministic;
   const size_t acc_elem = det ? 8 : 4;
 
@@ -333,7 +362,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   const size_t o_dq = ws.add(n_dq * acc_elem), o_dqp = ws.add(n_dqp * acc_elem);
   const size_t o_dk = main_owned ? 0 : ws.add(n_dk * acc_elem);
   const size_t o_dv = main_owned ? 0 : ws.add(n_dk * acc_elem);
-  const size_t o_dkp = kl_owned ? 0 : ws.add(n_dkp * acc_elem);
+  const size_t o_dkp = dkp_in_acc ? ws.add(n_dkp * acc_elem) : 0;
   const size_t o_acc_end = ws.add(0);
   const size_t o_amax = det ? ws.add(8 * sizeof(unsigned int)) : 0;
   const size_t o_fx = det ? ws.add(8 * sizeof(float)) : 0;
@@ -396,12 +425,12 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
 
   void* dk_acc = main_owned ? nullptr : ws.at<void>(o_dk);
   void* dv_acc = main_owned ? nullptr : ws.at<void>(o_dv);
-  void* dkp_acc = kl_owned ? nullptr : ws.at<void>(o_dkp);
+  void* dkp_acc = dkp_in_acc ? ws.at<void>(o_dkp) : nullptr;
   auto run = [&](auto tag) {
     constexpr int D = decltype(tag)::value;
     run_kernels<D>(p, stream, ix, ws.at<float>(o_di), ws.at<float>(o_pmax), ws.at<float>(o_psum),
                    ws.at<float>(o_lse_s), ws.at<void>(o_dq), ws.at<void>(o_dqp), dk_acc, dv_acc, dkp_acc, fx,
-                   ws.at<float>(o_kl_part), main_owned, kl_owned, nseg);
+                   ws.at<float>(o_kl_part), main_owned, kl_owned, nseg, fold);
   };
   if (p.D == 64) run(std::integral_constant<int, 64>{});
   else run(std::integral_constant<int, 128>{});
@@ -418,7 +447,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
     convert(dk_acc, n_dk, 1, p.dk);
     convert(dv_acc, n_dk, 2, p.dv);
   }
-  if (!kl_owned) convert(dkp_acc, n_dkp, 4, p.dkp);
+  if (dkp_in_acc) convert(dkp_acc, n_dkp, 4, p.dkp);
   if (p.kl) {
     kl_final_kernel<<<1, 256, 0, stream>>>(ws.at<float>(o_kl_part), nkeys,
                                            static_cast<float>(p.kl_coeff / (static_cast<double>(p.Hp) * T)), p.kl);
