@@ -3,21 +3,28 @@
 # main job with a full CPU comparison, the PyTorch CUDA tests and the benchmark against peers.
 # Results (logs, JSON) go to $OUT. Binaries are built on the workstation for sm_90a first:
 #   bash scripts/build_gpu_bundle.sh      # -> scratch-gpu/ (flashmsa_gpu_tests, flashmsa_run, _C.so)
-# and the device call carries scratch-gpu. Stages: tests sanitizer main python bench (default: all).
+# and the device call carries scratch-gpu. Stages: tests sanitizer main python scale bench (default:
+# all); `scale` runs the main job at m3 64k (phase split, memory), 1M tokens, deterministic 64k and the
+# dense warm-up at 16k.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-scratch-gpu}
+# Logs and JSON go to $LOGS; at the end they are packed into $OUT/gpu_check.tgz (the device tool
+# returns at most 8 files) and the JSON files are also copied to $OUT.
 OUT=${OUT:-/tmp/flashmsa-gpu-out}
+LOGS=$(mktemp -d)
 mkdir -p "$OUT"
-STAGES=${*:-tests sanitizer main python bench}
+pack() { tar czf "$OUT/gpu_check.tgz" -C "$LOGS" . ; cp "$LOGS"/*.json "$OUT"/ 2>/dev/null; }
+trap pack EXIT
+STAGES=${*:-tests sanitizer main python scale bench}
 status=0
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 run_stage() {  # name, command...: logs to $OUT/<name>.log, remembers failures
   local name=$1; shift
   echo "=== $name: $*"
-  "$@" > "$OUT/$name.log" 2>&1
+  "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
-  tail -n 25 "$OUT/$name.log"
+  tail -n 25 "$LOGS/$name.log"
   echo "=== $name: exit $rc"
   [ $rc -eq 0 ] || status=1
 }
@@ -27,7 +34,17 @@ has tests && run_stage gpu_tests "$BIN/flashmsa_gpu_tests" --gtest_brief=1
 has sanitizer && run_stage sanitizer compute-sanitizer --tool memcheck --error-exitcode 9 \
   "$BIN/flashmsa_gpu_tests" --gtest_brief=1 --gtest_filter="${SANITIZER_FILTER:-*FewerVisible*:*LocalOnlyK1*:*ManyShort*:*OddHead*:CudaWarmup.GqaD64TwoSequences}"
 has main && run_stage main_job "$BIN/flashmsa_run" --device cuda --seqlen 8192 --full-check \
-  --json "$OUT/main_job.json"
+  --json "$LOGS/main_job.json"
 has python && run_stage python_cuda python3 -m pytest -q -x tests/python -k "cuda or Cuda or CUDA"
-has bench && run_stage bench python3 bench/bench_gpu.py --out "$OUT/bench.json" ${BENCH_ARGS:-}
+if has scale; then
+  run_stage m3_64k "$BIN/flashmsa_run" --device cuda --seqlen 65536 --check-tokens 4 --check-keys 1 \
+    --json "$LOGS/m3_64k.json"
+  run_stage m3_1M "$BIN/flashmsa_run" --device cuda --seqlen 1048576 --check-tokens 0 --iters 3 \
+    --json "$LOGS/m3_1M.json"
+  run_stage m3_64k_det "$BIN/flashmsa_run" --device cuda --seqlen 65536 --check-tokens 0 --deterministic \
+    --json "$LOGS/m3_64k_det.json"
+  run_stage m3_16k_warmup "$BIN/flashmsa_run" --device cuda --seqlen 16384 --mode warmup --check-tokens 2 \
+    --check-keys 0 --json "$LOGS/m3_16k_warmup.json"
+fi
+has bench && run_stage bench timeout "${BENCH_TIMEOUT:-300}" python3 bench/bench_gpu.py --out "$LOGS/bench.json" ${BENCH_ARGS:-}
 exit $status
