@@ -3,6 +3,7 @@
 // Every output buffer is poisoned before each call, so an element the GPU never writes fails.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -192,6 +193,122 @@ TEST(CudaForward, OddHeadRatios) {
 TEST(CudaForward, LargeK) {
   GPUTEST_REQUIRE_DEVICE();
   check_forward_case(shape(4, 1, 1, 1, 128, 20, {4000, 700}), 20);
+}
+
+// ---- top_k > 32: the windowed kernels (what the dense warm-up runs). The selector stops at
+// 32, so these rows are built on the host: min(K, n_loc+1) distinct visible blocks with the
+// local one, ascending, -1 padding, the others drawn at random.
+std::vector<int32_t> random_selection(const Problem& pr, uint64_t seed) {
+  const Shape& s = pr.s;
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> sel(static_cast<size_t>(s.Hp * pr.T * s.K), -1);
+  for (int p = 0; p < s.Hp; ++p)
+    for (int b = 0; b < pr.B; ++b)
+      for (int64_t t = pr.cu[b]; t < pr.cu[b + 1]; ++t) {
+        const int n_loc = static_cast<int>(t - pr.cu[b]) / 128;
+        std::vector<int32_t> pool(n_loc);  // blocks 0 .. n_loc-1; n_loc itself is always in
+        for (int i = 0; i < n_loc; ++i) pool[i] = i;
+        std::shuffle(pool.begin(), pool.end(), rng);
+        const int want = std::min(s.K, n_loc + 1);
+        pool.resize(want - 1);
+        pool.push_back(n_loc);
+        std::sort(pool.begin(), pool.end());
+        std::copy(pool.begin(), pool.end(), sel.begin() + (p * pr.T + t) * s.K);
+      }
+  return sel;
+}
+
+// sparse_attention_forward on the device over a given selection, outputs poisoned first.
+GpuForward run_gpu_on(const Problem& pr, const std::vector<int32_t>& sel, bool with_kl) {
+  const Shape& s = pr.s;
+  GpuForward r;
+  DeviceBuffer dsel(sel.size() * 4);
+  dsel.upload(sel);
+  DeviceBuffer o(static_cast<size_t>(pr.T * s.H * s.D) * 2), lse(static_cast<size_t>(s.H * pr.T) * 4), kl(4);
+  o.fill(gputest::kFloatPoison);
+  lse.fill(gputest::kFloatPoison);
+  kl.fill(gputest::kFloatPoison);
+  flashmsa::sparse_attention_forward(
+      pr.device_inputs(), gputest::dview(dsel, DType::int32, {s.Hp, pr.T, s.K}), pr.options(),
+      gputest::dview(o, DType::bf16, {pr.T, s.H, s.D}), gputest::dview(lse, DType::fp32, {s.H, pr.T}),
+      with_kl ? gputest::dview(kl, DType::fp32, {1}) : flashmsa::TensorView());
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  r.sel = sel;
+  r.o = gputest::bf16_to_doubles(o.download<uint16_t>());
+  auto l = lse.download<float>();
+  r.lse.assign(l.begin(), l.end());
+  r.kl = kl.download<float>()[0];
+  return r;
+}
+
+// With and without kl against the CPU backend (and, with host_ref, the fp64 host reference) on
+// the same host-built selection; o and lse must not depend on whether kl is asked for.
+void check_wide_case(const Shape& s, uint64_t seed, bool host_ref) {
+  ASSERT_GT(s.K, 32);
+  Problem pr;
+  gputest::make_problem(pr, s, seed);
+  const std::vector<int32_t> sel = random_selection(pr, seed + 1000);
+  int64_t wide_rows = 0;  // rows whose visible entries reach past the first window of 32
+  for (int64_t u = 0; u < s.Hp * pr.T; ++u) wide_rows += sel[u * s.K + 32] >= 0;
+  ASSERT_GT(wide_rows, 0) << "no row uses a second window: the case tests nothing new";
+
+  const GpuForward g = run_gpu_on(pr, sel, /*with_kl=*/true);
+  const GpuForward n = run_gpu_on(pr, sel, /*with_kl=*/false);
+  if (::testing::Test::HasFatalFailure()) return;
+  ASSERT_EQ(gputest::count_nonfinite(g.o), 0) << "o has unwritten (NaN) elements";
+  ASSERT_EQ(gputest::count_nonfinite(g.lse), 0) << "lse has unwritten (NaN) elements";
+  ASSERT_TRUE(std::isfinite(g.kl)) << "kl not written";
+  EXPECT_EQ(n.o, g.o) << "o differs without the kl output";
+  EXPECT_EQ(n.lse, g.lse) << "lse differs without the kl output";
+
+  CpuForward c;
+  try {
+    c = run_cpu_forward(pr, sel);
+  } catch (const flashmsa::Error& e) {
+    ADD_FAILURE() << "CPU backend forward failed: " << e.what();
+    return;
+  }
+  const double o_err = gputest::rel_l2(g.o, c.o), lse_err = gputest::max_abs(g.lse, c.lse);
+  const double kl_err = std::fabs(g.kl - c.kl) / std::max(1e-12, std::fabs(static_cast<double>(c.kl)));
+  EXPECT_LT(o_err, 1e-2) << "o rel L2 vs CPU backend";
+  EXPECT_LT(lse_err, 1e-3) << "lse max abs vs CPU backend";
+  EXPECT_LT(kl_err, 1e-2) << "kl vs CPU backend: gpu " << g.kl << " cpu " << c.kl;
+  EXPECT_GT(c.kl, 0.f) << "a KL of zero would make the check vacuous";
+  if (host_ref) {
+    const gputest::RefForward ref = gputest::reference_forward(pr, sel, pr.options().kl_coeff);
+    EXPECT_LT(gputest::rel_l2(g.o, ref.o), 1e-2) << "o rel L2 vs host reference";
+    EXPECT_LT(gputest::max_abs(g.lse, ref.lse), 1e-3) << "lse max abs vs host reference";
+    EXPECT_LT(std::fabs(g.kl - ref.kl) / std::max(1e-12, std::fabs(ref.kl)), 1e-2)
+        << "kl vs host reference: gpu " << g.kl << " ref " << ref.kl;
+  }
+  std::printf("    wide T=%lld H=%d Hkv=%d Hp=%d Hpk=%d D=%d K=%d (%lld rows > 32): o %.2e lse %.2e kl %.2e "
+              "(kl=%.5f)\n",
+              static_cast<long long>(pr.T), s.H, s.Hkv, s.Hp, s.Hpk, s.D, s.K, static_cast<long long>(wide_rows),
+              o_err, lse_err, kl_err, g.kl);
+}
+
+// One sequence of 43 blocks (K = 40 picks among them; K = 70 takes all and pads a whole
+// window), plus sequences with fewer visible blocks than K and an empty one.
+const std::vector<int> kWideLengths = {5500, 300, 0, 150, 60};
+
+// The M3 group shape (16 heads on one kv head): the KL runs fused in the forward kernel.
+TEST(CudaForward, WideTopKFusedKl) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_wide_case(shape(16, 1, 1, 1, 64, 40, kWideLengths), 61, true);
+  check_wide_case(shape(16, 1, 1, 1, 64, 70, kWideLengths), 62, true);
+}
+
+// D = 128 instantiation of the fused path (CPU backend only, to keep the reference quick).
+TEST(CudaForward, WideTopKFusedKlD128) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_wide_case(shape(16, 1, 1, 1, 128, 40, {4700, 900, 37}), 63, false);
+}
+
+// m = 6 spanning kv heads (H/Hkv = 4): the KL takes kl_rows_kernel, window by window.
+TEST(CudaForward, WideTopKKlRows) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_wide_case(shape(12, 3, 2, 1, 64, 40, kWideLengths), 64, true);
+  check_wide_case(shape(12, 3, 2, 1, 64, 70, kWideLengths), 65, true);
 }
 
 // The KV-major path (forward_kv.cu: m = 16 heads on one kv head, D = 128, not deterministic) is

@@ -119,4 +119,17 @@ TEST(CudaWarmup, GroupD128LongerThanK) {
   check_warmup(shape(8, 1, 2, 1, 128, {1000, 3}), 32);
 }
 
+// Longer than 32 blocks: the all-visible-blocks index has K = 40 (5000 tokens) and K = 71
+// (9000 tokens), so the forward walks its rows in windows of 32. 5000: m = 2 on one kv head
+// (KL fused in the forward); 9000: m = 4 over two kv heads (KL in kl_rows_kernel).
+TEST(CudaWarmup, LongSequence5000FusedKl) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_warmup(shape(4, 2, 2, 1, 64, {5000}), 33);
+}
+
+TEST(CudaWarmup, LongSequence9000KlRows) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_warmup(shape(4, 2, 1, 1, 64, {9000}), 34);
+}
+
 }  // namespace

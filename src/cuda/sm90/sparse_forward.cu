@@ -21,11 +21,18 @@
 // L2 bandwidth, not by the tensor cores. The KL pass re-streams K and kp (same bytes again).
 // A KV-major kernel (inverted index, one K/V block against a dense tile of gathered query rows)
 // would read each block once per tile of rows instead of once per token.
+//
+// top_k > 32 (the dense warm-up's all-visible-blocks index has K = blocks of the longest
+// sequence) takes separate kWide instantiations: the row is read in windows of 32 entries, one
+// per lane, refilled when a window runs out, and the KL kernel folds each window's per-key
+// sums into running totals instead of staging all K*128 keys. K <= 32 compiles the original
+// code unchanged (kWide = false), so the sparse-training path keeps its registers and speed.
 #include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "common/bf16.cuh"
 #include "common/check.cuh"
@@ -91,17 +98,62 @@ struct FwdArgs {
 
 // The query's selected blocks that are visible (0 <= n <= n_loc), as a lane mask over the K
 // entries read by lanes 0..K-1 (K <= 32); `blk` holds lane i's entry.
+template <bool kWide>
 struct Selection {
   unsigned mask;
   int blk;
 };
 
-__device__ __forceinline__ Selection read_selection(const FwdArgs& a, int p, int64_t t, int n_loc,
-                                                    int lane) {
+// K > 32: lane i holds entry base + i of the row; the cursor moves to the next window when this
+// one is used up, so the window state travels with the selection.
+template <>
+struct Selection<true> {
+  unsigned mask;
+  int blk;
+  int base;
+  int K, n_loc;
+  const int32_t* row;  // [K] the entries of this (p, t)
+};
+
+__device__ __forceinline__ Selection<false> read_selection(const FwdArgs& a, int p, int64_t t, int n_loc,
+                                                           int lane) {
   int blk = -1;
   if (lane < a.K) blk = __ldg(a.block_idx + (p * a.T + t) * a.K + lane);
   const bool ok = blk >= 0 && blk <= n_loc;
   return {__ballot_sync(0xffffffffu, ok), blk};
+}
+
+// Entries base .. base+31 of the row (those < K) as a K <= 32 selection: one window.
+__device__ __forceinline__ Selection<false> read_window(const FwdArgs& a, int p, int64_t t, int n_loc,
+                                                        int base, int lane) {
+  int blk = -1;
+  if (base + lane < a.K) blk = __ldg(a.block_idx + (p * a.T + t) * a.K + base + lane);
+  const bool ok = blk >= 0 && blk <= n_loc;
+  return {__ballot_sync(0xffffffffu, ok), blk};
+}
+
+__device__ __forceinline__ void load_window(Selection<true>& s, int base) {
+  const int lane = threadIdx.x & 31;
+  s.base = base;
+  s.blk = base + lane < s.K ? __ldg(s.row + base + lane) : -1;
+  s.mask = __ballot_sync(0xffffffffu, s.blk >= 0 && s.blk <= s.n_loc);
+}
+
+__device__ __forceinline__ Selection<true> read_selection_wide(const FwdArgs& a, int p, int64_t t,
+                                                               int n_loc) {
+  Selection<true> s;
+  s.K = a.K;
+  s.n_loc = n_loc;
+  s.row = a.block_idx + (p * a.T + t) * a.K;
+  load_window(s, 0);
+  return s;
+}
+
+template <bool kWide>
+__device__ __forceinline__ Selection<kWide> read_selection_any(const FwdArgs& a, int p, int64_t t,
+                                                               int n_loc, int lane) {
+  if constexpr (kWide) return read_selection_wide(a, p, t, n_loc);
+  else return read_selection(a, p, t, n_loc, lane);
 }
 
 // Walks (selected block, 32-key chunk) pairs in order, skipping chunks that start after tpos.
@@ -111,7 +163,7 @@ struct Cursor {
   bool done;
 };
 
-__device__ __forceinline__ Cursor cursor_pop(const Selection& sel, Cursor c) {
+__device__ __forceinline__ Cursor cursor_pop(const Selection<false>& sel, Cursor c) {
   if (c.mask == 0) {
     c.done = true;
     return c;
@@ -124,12 +176,41 @@ __device__ __forceinline__ Cursor cursor_pop(const Selection& sel, Cursor c) {
   return c;
 }
 
-__device__ __forceinline__ Cursor cursor_next(const Selection& sel, Cursor c, int tpos) {
+// The cursor keeps only the chosen block, so moving `sel` to a later window here is safe. The
+// loop is warp-uniform (ballot masks); windows with nothing visible (padding) are passed over.
+__device__ __forceinline__ Cursor cursor_pop(Selection<true>& sel, Cursor c) {
+  while (c.mask == 0) {
+    if (sel.base + 32 >= sel.K) {
+      c.done = true;
+      return c;
+    }
+    load_window(sel, sel.base + 32);
+    c.mask = sel.mask;
+  }
+  const int lane_src = __ffs(c.mask) - 1;
+  c.mask &= c.mask - 1;
+  c.blk = __shfl_sync(0xffffffffu, sel.blk, lane_src);
+  c.chunk = 0;
+  c.slot += 1;
+  return c;
+}
+
+template <typename Sel>
+__device__ __forceinline__ Cursor cursor_next(Sel& sel, Cursor c, int tpos) {
   if (c.chunk + 1 < kBlk / kSub && c.blk * kBlk + (c.chunk + 1) * kSub <= tpos) {
     c.chunk += 1;
     return c;
   }
   return cursor_pop(sel, c);
+}
+
+// A cursor at the row's first visible block (a second walk over the row rewinds to window 0).
+__device__ __forceinline__ Cursor cursor_begin(const Selection<false>& sel) {
+  return cursor_pop(sel, {sel.mask, 0, 0, -1, false});
+}
+__device__ __forceinline__ Cursor cursor_begin(Selection<true>& sel) {
+  if (sel.base != 0) load_window(sel, 0);
+  return cursor_pop(sel, {sel.mask, 0, 0, -1, false});
 }
 
 // Loads rows j0 .. j0+31 (positions in the sequence) of one head of a [T, heads, DIM] tensor;
@@ -196,7 +277,7 @@ __device__ __forceinline__ void scores_16x32(float (&s)[kSub / 8][4], const uint
   }
 }
 
-template <int D>
+template <int D, bool kWide>
 __global__ void __launch_bounds__(32)
     sparse_forward_kernel(const FwdArgs a, const HeadItems items) {
   constexpr int kRowBytes = D * 2;
@@ -219,8 +300,10 @@ __global__ void __launch_bounds__(32)
   const int n_loc = tpos / kBlk;
 
   load_rows<D>(q_s, a.q + (t * a.H + h0) * D, rows, lane);
-  const Selection sel = read_selection(a, p, t, n_loc, lane);
-  Cursor cur = cursor_pop(sel, {sel.mask, 0, 0, -1, false});
+  // Only the wide selection changes as the cursor advances (window refills).
+  std::conditional_t<kWide, Selection<true>, const Selection<false>> sel =
+      read_selection_any<kWide>(a, p, t, n_loc, lane);
+  Cursor cur = cursor_begin(sel);
   if (!cur.done) {
     load_sub_tile<D>(k_s, a.k, s0, a.Hkv, kvh, cur.blk * kBlk, tpos, lane);
     load_sub_tile<D>(v_s, a.v, s0, a.Hkv, kvh, cur.blk * kBlk, tpos, lane);
@@ -346,7 +429,7 @@ __global__ void __launch_bounds__(32)
   const int pk = p / (a.Hp / a.Hpk);
   __syncwarp();
   load_rows<D, true>(q_s, a.qp + (t * a.Hp + p) * D, 16, lane);
-  cur = cursor_pop(sel, {sel.mask, 0, 0, -1, false});
+  cur = cursor_begin(sel);
   if (!cur.done) {
     load_sub_tile<D>(k_s, a.k, s0, a.Hkv, kvh, cur.blk * kBlk, tpos, lane);
     load_sub_tile<D>(v_s, a.kp, s0, a.Hpk, pk, cur.blk * kBlk, tpos, lane);
@@ -428,32 +511,15 @@ __global__ void __launch_bounds__(32)
   if (lane == 0) a.kl_rows[p * a.T + t] = ent - cross + (mx + __logf(ssum)) * tsum;
 }
 
-// KL[p, t] of msa.md step 6 for one (proxy head, token) per warp, after the forward wrote lse.
-// Shared memory: per-key teacher sums and proxy scores for the K selected blocks.
+// Teacher sums (per key, over the group's heads) and proxy scores of the visible keys of one
+// selection (K <= 32 entries, or one window of 32) into teach / sprox [32 or K][128], indexed
+// by the block's ordinal among the selection's visible blocks.
 template <int D>
-__global__ void __launch_bounds__(32) kl_rows_kernel(const FwdArgs a, const HeadItems items) {
+__device__ __forceinline__ void kl_stage_keys(const FwdArgs& a, const HeadItems& items,
+                                              const Selection<false>& sel, int p, int64_t t, int64_t s0,
+                                              int tpos, int pk, unsigned char* k_s, unsigned char* q_s,
+                                              float* teach, float* sprox, int lane) {
   constexpr int kRowBytes = D * 2;
-  extern __shared__ __align__(128) unsigned char smem[];
-  unsigned char* k_s = smem;                                   // [2][32][D]
-  unsigned char* q_s = k_s + kSub * kRowBytes;                 // [16][D] in stage 1 (see forward)
-  float* teach = reinterpret_cast<float*>(k_s + 2 * kSub * kRowBytes);  // [K][128]
-  float* sprox = teach + a.K * kBlk;                                   // [K][128]
-
-  const int lane = threadIdx.x;
-  const int64_t unit = blockIdx.x;
-  const int p = static_cast<int>(unit / a.T);
-  const int64_t t = unit - static_cast<int64_t>(p) * a.T;
-  const int m = a.H / a.Hp;
-  const int pk = p / (a.Hp / a.Hpk);
-  const int b = find_sequence(a.cu, a.B, t);
-  const int64_t s0 = __ldg(a.cu + b);
-  const int tpos = static_cast<int>(t - s0);
-  const int n_loc = tpos / kBlk;
-  const Selection sel = read_selection(a, p, t, n_loc, lane);
-  for (int i = lane; i < a.K * kBlk; i += 32) {
-    teach[i] = 0.f;
-    sprox[i] = -INFINITY;
-  }
   const int g = lane >> 2, c2 = 2 * (lane & 3);
 
   // pass(0..n_items-1): teacher sums of one head item; pass == n_items: proxy scores.
@@ -525,26 +591,105 @@ __global__ void __launch_bounds__(32) kl_rows_kernel(const FwdArgs a, const Head
     }
     __syncwarp();
   }
+}
 
-  // KL = sum_j Tch (log Tch - log Qs), log Qs = s - logsumexp(s) over the same keys.
-  float mx = -INFINITY;
-  for (int i = lane; i < a.K * kBlk; i += 32) mx = fmaxf(mx, sprox[i]);
+// KL[p, t] of msa.md step 6 for one (proxy head, token) per warp, after the forward wrote lse.
+// Shared memory: per-key teacher sums and proxy scores for the K selected blocks (K <= 32), or
+// for one window of 32 entries at a time (kWide), folded into running sums after each window:
+// KL = sum T log T - sum T s + lse_s * sum T with an online logsumexp of the proxy scores.
+template <int D, bool kWide>
+__global__ void __launch_bounds__(32) kl_rows_kernel(const FwdArgs a, const HeadItems items) {
+  constexpr int kRowBytes = D * 2;
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* k_s = smem;                                   // [2][32][D]
+  unsigned char* q_s = k_s + kSub * kRowBytes;                 // [16][D] in stage 1 (see forward)
+  const int n_keys = (kWide ? 32 : a.K) * kBlk;
+  float* teach = reinterpret_cast<float*>(k_s + 2 * kSub * kRowBytes);  // [K or 32][128]
+  float* sprox = teach + n_keys;                                       // [K or 32][128]
+
+  const int lane = threadIdx.x;
+  const int64_t unit = blockIdx.x;
+  const int p = static_cast<int>(unit / a.T);
+  const int64_t t = unit - static_cast<int64_t>(p) * a.T;
+  const int m = a.H / a.Hp;
+  const int pk = p / (a.Hp / a.Hpk);
+  const int b = find_sequence(a.cu, a.B, t);
+  const int64_t s0 = __ldg(a.cu + b);
+  const int tpos = static_cast<int>(t - s0);
+  const int n_loc = tpos / kBlk;
+  if constexpr (!kWide) {
+    const Selection<false> sel = read_selection(a, p, t, n_loc, lane);
+    for (int i = lane; i < a.K * kBlk; i += 32) {
+      teach[i] = 0.f;
+      sprox[i] = -INFINITY;
+    }
+    kl_stage_keys<D>(a, items, sel, p, t, s0, tpos, pk, k_s, q_s, teach, sprox, lane);
+
+    // KL = sum_j Tch (log Tch - log Qs), log Qs = s - logsumexp(s) over the same keys.
+    float mx = -INFINITY;
+    for (int i = lane; i < a.K * kBlk; i += 32) mx = fmaxf(mx, sprox[i]);
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-  float se = 0.f;
-  for (int i = lane; i < a.K * kBlk; i += 32) se += sprox[i] == -INFINITY ? 0.f : __expf(sprox[i] - mx);
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    float se = 0.f;
+    for (int i = lane; i < a.K * kBlk; i += 32) se += sprox[i] == -INFINITY ? 0.f : __expf(sprox[i] - mx);
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) se += __shfl_xor_sync(0xffffffffu, se, off);
-  const float lse_s = mx + logf(se);
-  const float inv_m = 1.f / static_cast<float>(m);
-  float kl = 0.f;
-  for (int i = lane; i < a.K * kBlk; i += 32) {
-    const float tch = teach[i] * inv_m;
-    if (tch > 0.f && sprox[i] != -INFINITY) kl += tch * (logf(tch) - (sprox[i] - lse_s));
+    for (int off = 16; off > 0; off >>= 1) se += __shfl_xor_sync(0xffffffffu, se, off);
+    const float lse_s = mx + logf(se);
+    const float inv_m = 1.f / static_cast<float>(m);
+    float kl = 0.f;
+    for (int i = lane; i < a.K * kBlk; i += 32) {
+      const float tch = teach[i] * inv_m;
+      if (tch > 0.f && sprox[i] != -INFINITY) kl += tch * (logf(tch) - (sprox[i] - lse_s));
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) kl += __shfl_xor_sync(0xffffffffu, kl, off);
+    if (lane == 0) a.kl_rows[p * a.T + t] = kl;
+  } else {
+    const float inv_m = 1.f / static_cast<float>(m);
+    float ent = 0.f, cross = 0.f, tsum = 0.f, smax = -INFINITY, ssum = 0.f;
+    for (int base = 0; base < a.K; base += 32) {
+      const Selection<false> sel = read_window(a, p, t, n_loc, base, lane);
+      if (sel.mask == 0) continue;  // warp-uniform: nothing visible in this window
+      __syncwarp();
+      for (int i = lane; i < n_keys; i += 32) {
+        teach[i] = 0.f;
+        sprox[i] = -INFINITY;
+      }
+      kl_stage_keys<D>(a, items, sel, p, t, s0, tpos, pk, k_s, q_s, teach, sprox, lane);
+      // Each lane folds the keys i = lane (mod 32): one rescale of its running sum per window.
+      float wmx = -INFINITY;
+      for (int i = lane; i < n_keys; i += 32) wmx = fmaxf(wmx, sprox[i]);
+      if (wmx != -INFINITY) {
+        const float nm = fmaxf(smax, wmx);
+        ssum *= expf(smax - nm);
+        for (int i = lane; i < n_keys; i += 32) {
+          const float sv = sprox[i];
+          if (sv == -INFINITY) continue;
+          ssum += expf(sv - nm);
+          const float tch = teach[i] * inv_m;
+          if (tch > 0.f) {
+            ent += tch * logf(tch);
+            cross += tch * sv;
+            tsum += tch;
+          }
+        }
+        smax = nm;
+      }
+    }
+    // Merge the lanes' sums and logsumexps (fixed order).
+    float mx = smax;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    ssum = smax == -INFINITY ? 0.f : ssum * expf(smax - mx);
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      ent += __shfl_xor_sync(0xffffffffu, ent, off);
+      cross += __shfl_xor_sync(0xffffffffu, cross, off);
+      tsum += __shfl_xor_sync(0xffffffffu, tsum, off);
+      ssum += __shfl_xor_sync(0xffffffffu, ssum, off);
+    }
+    if (lane == 0) a.kl_rows[p * a.T + t] = tsum > 0.f ? ent - cross + (mx + logf(ssum)) * tsum : 0.f;
   }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) kl += __shfl_xor_sync(0xffffffffu, kl, off);
-  if (lane == 0) a.kl_rows[p * a.T + t] = kl;
 }
 
 // kl_loss = coeff * mean of kl_rows, one CTA, fixed summation order.
@@ -562,17 +707,17 @@ __global__ void __launch_bounds__(1024)
   if (threadIdx.x == 0) out[0] = coeff * part[0] / static_cast<float>(n);
 }
 
-template <int D>
+template <int D, bool kWide>
 void launch_forward(const FwdArgs& a, const HeadItems& items, bool with_kl, cudaStream_t stream) {
   const size_t fwd_smem = 4 * kSub * D * 2;
-  auto fwd = sparse_forward_kernel<D>;
+  auto fwd = sparse_forward_kernel<D, kWide>;
   FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(fwd, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)fwd_smem));
   const int64_t units = a.T * items.n;
   fwd<<<static_cast<unsigned>(units), 32, fwd_smem, stream>>>(a, items);
   FLASHMSA_CHECK_LAUNCH();
   if (!with_kl || a.fuse_kl) return;
-  const size_t kl_smem = 2 * kSub * D * 2 + 2 * sizeof(float) * a.K * kBlk;
-  auto klk = kl_rows_kernel<D>;
+  const size_t kl_smem = 2 * kSub * D * 2 + 2 * sizeof(float) * (kWide ? 32 : a.K) * kBlk;
+  auto klk = kl_rows_kernel<D, kWide>;
   FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(klk, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kl_smem));
   klk<<<static_cast<unsigned>(a.T * a.Hp), 32, kl_smem, stream>>>(a, items);
   FLASHMSA_CHECK_LAUNCH();
@@ -592,8 +737,6 @@ void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
     launch_kv_forward(p, stream);
     return;
   }
-  if (p.top_k > 32)
-    throw Error("flashmsa: sparse_attention_forward: option 'top_k' must be <= 32 on CUDA");
   const HeadItems items = make_items(p);
   if (p.T == 0) {
     if (p.kl != nullptr) FLASHMSA_CUDA_CHECK(cudaMemsetAsync(p.kl, 0, sizeof(float), stream));
@@ -627,8 +770,15 @@ void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
   const bool with_kl = p.kl != nullptr;
   if (with_kl)
     FLASHMSA_CUDA_CHECK(cudaMallocAsync(&a.kl_rows, sizeof(float) * p.T * p.Hp, stream));
-  if (p.D == 64) launch_forward<64>(a, items, with_kl, stream);
-  else launch_forward<128>(a, items, with_kl, stream);
+  // K <= 32 keeps the single-window kernels (the sparse-training path); wider rows (the dense
+  // warm-up) take the windowed ones.
+  if (p.D == 64) {
+    if (a.K <= 32) launch_forward<64, false>(a, items, with_kl, stream);
+    else launch_forward<64, true>(a, items, with_kl, stream);
+  } else {
+    if (a.K <= 32) launch_forward<128, false>(a, items, with_kl, stream);
+    else launch_forward<128, true>(a, items, with_kl, stream);
+  }
   if (with_kl) {
     kl_mean_kernel<<<1, 1024, 0, stream>>>(a.kl_rows, p.T * p.Hp, p.kl_coeff, p.kl);
     FLASHMSA_CHECK_LAUNCH();
