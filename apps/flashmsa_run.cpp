@@ -39,7 +39,7 @@ struct Config {
   int block = 128, topk = 16, local_blocks = 1, threads = 0, iters = 0, check_tokens = 6,
       check_keys = 2;
   float kl_coeff = 1.f;
-  bool deterministic = false, full_check = false, quiet = false;
+  bool deterministic = false, full_check = false, quiet = false, forward_kl = false;
   uint64_t seed = 1234;
   std::string json;
 };
@@ -57,6 +57,7 @@ void usage() {
       "Options:\n"
       "  --block BLK (128) --topk K (16) --local-blocks L (1) --kl-coeff C (1.0)\n"
       "  --mode sparse|warmup (sparse) --dtype bf16|fp16|fp32 (bf16) --deterministic\n"
+      "  --forward-kl       the forward also produces the KL value (as the PyTorch op does)\n"
       "Run:\n"
       "  --device auto|cpu|cuda (auto: cuda when an sm_90 GPU is present)\n"
       "  --iters N          timed repetitions (default 1 on CPU, 10 on CUDA; median reported)\n"
@@ -110,6 +111,7 @@ Config parse(int argc, char** argv) {
     else if (a == "--json") c.json = need(i);
     else if (a == "--deterministic") c.deterministic = true;
     else if (a == "--full-check") c.full_check = true;
+    else if (a == "--forward-kl") c.forward_kl = true;
     else if (a == "--quiet") c.quiet = true;
     else {
       std::fprintf(stderr, "flashmsa_run: unknown flag '%s' (see --help)\n", a.c_str());
@@ -483,8 +485,9 @@ int main(int argc, char** argv) {
       meter.reset();
       const double s = sparse ? time_ms(cuda, [&] { select_blocks(in, opt, bidx.view()); }) : 0.0;
       const double f = time_ms(cuda, [&] {
-        if (sparse) sparse_attention_forward(in, bidx.view(), opt, bo.view(), blse.view());
-        else dense_warmup_forward(in, opt, bo.view(), blse.view());
+        const TensorView kl_fwd = c.forward_kl ? bkl.view() : TensorView();
+        if (sparse) sparse_attention_forward(in, bidx.view(), opt, bo.view(), blse.view(), kl_fwd);
+        else dense_warmup_forward(in, opt, bo.view(), blse.view(), kl_fwd);
       });
       ws_fwd = std::max(ws_fwd, meter.peak());
       meter.reset();
@@ -639,7 +642,10 @@ int main(int argc, char** argv) {
               c.mode.c_str());
   std::printf("%-22s %10s %12s\n", "phase", "ms", "TFLOP/s");
   if (sparse) std::printf("%-22s %10.3f %12.3f\n", "select_blocks", ms_sel, tflops(fl_sel, ms_sel));
-  std::printf("%-22s %10.3f %12.3f\n", sparse ? "sparse forward" : "dense warm-up fwd", ms_fwd,
+  std::printf("%-22s %10.3f %12.3f\n",
+              sparse ? (c.forward_kl ? "sparse forward + KL" : "sparse forward")
+                     : (c.forward_kl ? "warm-up fwd + KL" : "dense warm-up fwd"),
+              ms_fwd,
               tflops(fl_fwd, ms_fwd));
   std::printf("%-22s %10.3f %12.3f\n", "backward (+KL)", ms_bwd, tflops(fl_bwd, ms_bwd));
   std::printf("%-22s %10.3f %12.3f\n", "training step", ms_sel + ms_fwd + ms_bwd,
@@ -666,7 +672,7 @@ int main(int argc, char** argv) {
        << ", \"Hpk\": " << c.Hpk << ", \"D\": " << c.D << ", \"Dv\": " << c.Dv
        << ", \"Dp\": " << c.Dp << ", \"K\": " << c.topk << ", \"BLK\": " << c.block
        << ", \"mode\": \"" << c.mode << "\", \"dtype\": \"" << c.dtype << "\""
-       << ", \"iters\": " << c.iters << ", \"ms_select\": " << ms_sel << ", \"ms_forward\": " << ms_fwd
+       << ", \"forward_kl\": " << (c.forward_kl ? "true" : "false") << ", \"iters\": " << c.iters << ", \"ms_select\": " << ms_sel << ", \"ms_forward\": " << ms_fwd
        << ", \"ms_backward\": " << ms_bwd << ", \"flop_select\": " << fl_sel
        << ", \"flop_forward\": " << fl_fwd << ", \"flop_backward\": " << fl_bwd
        << ", \"sel_per_head\": " << sel_per_head << ", \"kl_loss\": " << kl
