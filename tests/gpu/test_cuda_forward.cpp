@@ -311,11 +311,32 @@ TEST(CudaForward, WideTopKKlRows) {
   check_wide_case(shape(12, 3, 2, 1, 64, 70, kWideLengths), 65, true);
 }
 
-// The KV-major path (forward_kv.cu: m = 16 heads on one kv head, D = 128, not deterministic) is
-// opt-in through FLASHMSA_FORWARD_PATH=kv; these tests force it for their scope.
-struct ForceKvPath {
-  ForceKvPath() { setenv("FLASHMSA_FORWARD_PATH", "kv", 1); }
-  ~ForceKvPath() { unsetenv("FLASHMSA_FORWARD_PATH"); }
+// FLASHMSA_FORWARD_PATH for one scope (nullptr: unset, the default routing), restored after.
+class ScopedForwardPath {
+ public:
+  explicit ScopedForwardPath(const char* value) {
+    const char* old = std::getenv("FLASHMSA_FORWARD_PATH");
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    if (value != nullptr) setenv("FLASHMSA_FORWARD_PATH", value, 1);
+    else unsetenv("FLASHMSA_FORWARD_PATH");
+  }
+  ~ScopedForwardPath() {
+    if (had_) setenv("FLASHMSA_FORWARD_PATH", old_.c_str(), 1);
+    else unsetenv("FLASHMSA_FORWARD_PATH");
+  }
+  ScopedForwardPath(const ScopedForwardPath&) = delete;
+  ScopedForwardPath& operator=(const ScopedForwardPath&) = delete;
+
+ private:
+  bool had_ = false;
+  std::string old_;
+};
+
+// The KV-major path (forward_kv.cu: groups of m = 2, 4, 8, 16 heads on one kv head, D = 128, not
+// deterministic) is the default only for m < 16; these tests force it for their scope.
+struct ForceKvPath : ScopedForwardPath {
+  ForceKvPath() : ScopedForwardPath("kv") {}
 };
 
 // KV-major: several token chunks (>= 1024 tokens each), sequences crossing chunk boundaries, a
@@ -395,9 +416,136 @@ TEST(CudaForward, KvMajorDeterministicFallback) {
   EXPECT_LT(std::fabs(f.kl - d1.kl) / std::max(1e-12, std::fabs(static_cast<double>(d1.kl))), 1e-2);
 }
 
+// ---- KV-major for groups smaller than 16 heads: a warp's 16 rows are 16/m tokens x m heads.
+
+// Without the kl output: o and lse against the CPU backend on the GPU's selection; lse (pass 1
+// and the merge have no atomics) must not change when kl is asked for, and kl must match.
+void check_kv_without_kl(const Shape& s, uint64_t seed) {
+  Problem pr;
+  gputest::make_problem(pr, s, seed);
+  const GpuForward g = run_gpu(pr, /*with_kl=*/false);
+  if (::testing::Test::HasFatalFailure()) return;
+  ASSERT_EQ(gputest::count_nonfinite(g.o), 0) << "o has unwritten (NaN) elements";
+  ASSERT_EQ(gputest::count_nonfinite(g.lse), 0) << "lse has unwritten (NaN) elements";
+  CpuForward c;
+  try {
+    c = run_cpu_forward(pr, g.sel);
+  } catch (const flashmsa::Error& e) {
+    ADD_FAILURE() << "CPU backend forward failed: " << e.what();
+    return;
+  }
+  EXPECT_LT(gputest::rel_l2(g.o, c.o), 1e-2) << "o rel L2 vs CPU backend";
+  EXPECT_LT(gputest::max_abs(g.lse, c.lse), 1e-3) << "lse max abs vs CPU backend";
+  const GpuForward w = run_gpu_on(pr, g.sel, /*with_kl=*/true);
+  EXPECT_EQ(w.lse, g.lse) << "lse depends on whether kl is asked for";
+  EXPECT_LT(gputest::rel_l2(w.o, c.o), 1e-2) << "o (with kl) rel L2 vs CPU backend";
+  EXPECT_LT(std::fabs(w.kl - c.kl) / std::max(1e-12, std::fabs(static_cast<double>(c.kl))), 1e-2)
+      << "kl vs CPU backend: gpu " << w.kl << " cpu " << c.kl;
+  EXPECT_GT(c.kl, 0.f) << "a KL of zero would make the check vacuous";
+}
+
+// m = 4 (fm16k heads: H=16 Hkv=2 Hp=4 Hpk=1): 4 tokens per warp. Several sequences (one shorter
+// than a block, one empty, one of exactly a block), T = 4101 (not a multiple of 128, several
+// 1024-token chunks), lists of every length so most end with 1-3 live tokens in the last warp.
+TEST(CudaForward, KvMajorM4) {
+  GPUTEST_REQUIRE_DEVICE();
+  ForceKvPath kv;
+  check_forward_case(shape(16, 2, 4, 1, 128, 16, {1000, 50, 0, 2222, 128, 701}), 71);
+}
+
+// m = 8 (gqa8 heads: H=32 Hkv=4 Hp=4 Hpk=1): 2 tokens per warp.
+TEST(CudaForward, KvMajorM8) {
+  GPUTEST_REQUIRE_DEVICE();
+  ForceKvPath kv;
+  check_forward_case(shape(32, 4, 4, 1, 128, 16, {2500, 77, 1100}), 72);
+}
+
+// m = 2: 8 tokens per warp, 64 proxy rows per round; two kv heads of 2 groups each, Hpk = Hp,
+// K = 8 and a one-token sequence.
+TEST(CudaForward, KvMajorM2) {
+  GPUTEST_REQUIRE_DEVICE();
+  ForceKvPath kv;
+  check_forward_case(shape(8, 2, 4, 4, 128, 8, {1500, 300, 1, 260}), 73);
+}
+
+// m = 4 with several local blocks and K = 1 (one entry per token per group: short lists).
+TEST(CudaForward, KvMajorM4LocalBlocksAndK1) {
+  GPUTEST_REQUIRE_DEVICE();
+  ForceKvPath kv;
+  check_forward_case(shape(8, 1, 2, 1, 128, 6, {1300, 90}, 3), 74);
+  check_forward_case(shape(8, 2, 2, 1, 128, 1, {700, 129}), 75);
+}
+
+// m = 4, 8, 2 without the kl output, and T = 0 (kl written as 0).
+TEST(CudaForward, KvMajorSmallGroupsWithoutKlAndEmpty) {
+  GPUTEST_REQUIRE_DEVICE();
+  ForceKvPath kv;
+  check_kv_without_kl(shape(16, 2, 4, 1, 128, 16, {1900, 33, 400}), 76);
+  check_kv_without_kl(shape(32, 4, 4, 1, 128, 8, {1200, 5}), 77);
+  check_kv_without_kl(shape(8, 2, 4, 2, 128, 8, {1000, 129}), 78);
+  for (std::vector<int> lengths : {std::vector<int>{}, std::vector<int>{0, 0}}) {
+    Problem empty;
+    gputest::make_problem(empty, shape(16, 2, 4, 1, 128, 16, lengths), 79);
+    const GpuForward e = run_gpu(empty);
+    EXPECT_TRUE(e.o.empty());
+    EXPECT_EQ(e.kl, 0.f);
+  }
+}
+
+// Routing: unset -> KV-major for m = 4, query-major for m = 16; "query" forces query-major.
+// lse is the fingerprint of the path: both paths write it without atomics (bitwise
+// reproducible), and their summation orders differ, so the two paths' lse differ in some bits.
+TEST(CudaForward, ForwardPathRouting) {
+  GPUTEST_REQUIRE_DEVICE();
+  auto run_paths = [](const Shape& s, uint64_t seed, bool default_is_kv) {
+    Problem pr;
+    gputest::make_problem(pr, s, seed);
+    std::vector<int32_t> sel;
+    {
+      ScopedForwardPath query("query");
+      sel = run_gpu(pr).sel;
+    }
+    GpuForward d, q, k;
+    {
+      ScopedForwardPath unset(nullptr);
+      d = run_gpu_on(pr, sel, true);
+    }
+    {
+      ScopedForwardPath query("query");
+      q = run_gpu_on(pr, sel, true);
+    }
+    {
+      ScopedForwardPath kv("kv");
+      k = run_gpu_on(pr, sel, true);
+    }
+    if (::testing::Test::HasFatalFailure()) return;
+    ASSERT_NE(q.lse, k.lse) << "query-major and KV-major lse identical: the fingerprint tells nothing";
+    if (default_is_kv) EXPECT_EQ(d.lse, k.lse) << "default routing did not take the KV-major path";
+    else EXPECT_EQ(d.lse, q.lse) << "default routing did not take the query-major path";
+    CpuForward c;
+    try {
+      c = run_cpu_forward(pr, sel);
+    } catch (const flashmsa::Error& e) {
+      ADD_FAILURE() << "CPU backend forward failed: " << e.what();
+      return;
+    }
+    for (const GpuForward* g : {&d, &q, &k}) {
+      ASSERT_EQ(gputest::count_nonfinite(g->o), 0) << "o has unwritten (NaN) elements";
+      EXPECT_LT(gputest::rel_l2(g->o, c.o), 1e-2) << "o rel L2 vs CPU backend";
+      EXPECT_LT(gputest::max_abs(g->lse, c.lse), 1e-3) << "lse max abs vs CPU backend";
+      EXPECT_LT(std::fabs(g->kl - c.kl) / std::max(1e-12, std::fabs(static_cast<double>(c.kl))), 1e-2)
+          << "kl vs CPU backend: gpu " << g->kl << " cpu " << c.kl;
+    }
+  };
+  run_paths(shape(16, 2, 4, 1, 128, 16, {2100, 300}), 81, /*default_is_kv=*/true);
+  run_paths(shape(32, 2, 2, 1, 128, 8, {1400}), 82, /*default_is_kv=*/false);
+}
+
 // msa_forward = select_blocks + sparse_attention_forward, and reruns are bitwise identical.
+// m = 8 here would default to the (atomic) KV-major path, so the query-major kernel is forced.
 TEST(CudaForward, MsaForwardMatchesAndIsDeterministic) {
   GPUTEST_REQUIRE_DEVICE();
+  ScopedForwardPath query("query");
   Problem pr;
   gputest::make_problem(pr, shape(16, 2, 2, 1, 128, 8, {1700, 900}), 21);
   const GpuForward a = run_gpu(pr);

@@ -1,5 +1,5 @@
 // KV-major block-sparse forward (o, lse and the KL value) for the shapes where one proxy group is
-// 16 main heads on one kv head (the M3 shape), D = 128. See forward_kv.cu for the design.
+// m = 2, 4, 8 or 16 main heads on one kv head, D = 128. See forward_kv.cu for the design.
 #pragma once
 
 #include <cuda_runtime.h>

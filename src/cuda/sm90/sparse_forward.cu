@@ -729,11 +729,20 @@ void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
   if (p.D != p.Dv || p.D != p.Dp)
     throw Error("flashmsa: sparse_attention_forward: arguments 'q', 'v', 'qp' must have equal "
                 "head dims (D = Dv = Dp) on CUDA");
-  // The KV-major path (forward_kv.cu) is opt-in (FLASHMSA_FORWARD_PATH=kv) where it applies: on
-  // an H200 at m3 it measured slower than this kernel without the KL and on par with it (see
-  // docs/perf-notes.md), so this file's kernel stays the default.
+  // Path choice, read on every call (so a benchmark can flip it between runs):
+  // FLASHMSA_FORWARD_PATH=query forces this kernel, =kv the KV-major one (forward_kv.cu) where it
+  // applies; unset: KV-major where it applies and the group is smaller than 16 heads.
+  // m = 16 (m3, H200, with KL): KV-major 16.6 / 29.1 / 55.1 ms vs this kernel 12.9 / 27.0 / 58.8
+  // at 16k / 32k / 64k, so this kernel stays the default there.
+  // m < 16 is a PREDICTION, not yet measured: this kernel fills only m of its 16 MMA rows and
+  // streams a token's 16 blocks (1 MB) per (token, group) whatever m is, e.g. fm16k (H=16 Hkv=2
+  // Hp=4, m=4) S=16k: 13.7 ms with KL vs 1.76 ms for dense cuDNN; gqa8 (H=32 Hkv=4 Hp=4, m=8)
+  // S=64k: 63.5 ms vs 58.8 ms dense. KV-major keeps 16 real rows per warp (16/m tokens) and
+  // reads each block once per CTA round, so it should win there; to be confirmed on the H200.
   const char* path = std::getenv("FLASHMSA_FORWARD_PATH");
-  if (p.T > 0 && path && std::strcmp(path, "kv") == 0 && kv_forward_applies(p)) {
+  const bool force_query = path && std::strcmp(path, "query") == 0;
+  const bool force_kv = path && std::strcmp(path, "kv") == 0;
+  if (p.T > 0 && !force_query && kv_forward_applies(p) && (force_kv || p.H / p.Hp < 16)) {
     launch_kv_forward(p, stream);
     return;
   }
