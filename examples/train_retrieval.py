@@ -431,9 +431,9 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.long:
-        # untested on a GPU so far (this example was developed on CPU only)
-        long = dict(seq_len=16384, pairs=64, queries=16, keys=64, values=64, d_model=128,
-                    layers=2, heads=4, kv_heads=2, proxy_heads=2, proxy_dim=32, block_size=128,
+        # Head dims 64 (d_model / heads and proxy_dim): the CUDA kernels take D, Dp in {64, 128}.
+        long = dict(seq_len=16384, pairs=64, queries=16, keys=64, values=64, d_model=256,
+                    layers=2, heads=4, kv_heads=2, proxy_heads=2, proxy_dim=64, block_size=128,
                     top_k=16, steps=2000, warmup_steps=1200, curriculum=800, min_seq_len=256,
                     batch=8, eval_every=100, eval_seqs=32, lr=3e-3, bf16=True)
         given = {a.lstrip("-").split("=")[0].replace("-", "_")
