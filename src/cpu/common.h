@@ -26,16 +26,21 @@ namespace cpu {
 // ---------------------------------------------------------------------------------------------
 // bf16 / fp16 <-> fp32, round-to-nearest-even, NaN kept NaN.
 
-inline float bf16_to_f32(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
+inline uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float float_of(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
 }
 
+inline float bf16_to_f32(uint16_t h) { return float_of(static_cast<uint32_t>(h) << 16); }
+
 inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
+  uint32_t u = bits_of(f);
   // A NaN must not round into infinity: keep the top bits and force a quiet mantissa bit.
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
   u += 0x7fffu + ((u >> 16) & 1u);
@@ -46,25 +51,14 @@ inline float f16_to_f32(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1fu;
   const uint32_t man = h & 0x3ffu;
-  uint32_t u;
-  if (exp == 0) {
-    // Zero or subnormal: man * 2^-24 is exact in fp32.
-    float f = static_cast<float>(man) * 5.9604644775390625e-8f;
-    std::memcpy(&u, &f, 4);
-    u |= sign;
-  } else if (exp == 31) {
-    u = sign | 0x7f800000u | (man << 13);
-  } else {
-    u = sign | ((exp + 112u) << 23) | (man << 13);
-  }
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
+  // Zero or subnormal: man * 2^-24 is exact in fp32.
+  if (exp == 0) return float_of(bits_of(static_cast<float>(man) * 5.9604644775390625e-8f) | sign);
+  if (exp == 31) return float_of(sign | 0x7f800000u | (man << 13));
+  return float_of(sign | ((exp + 112u) << 23) | (man << 13));
 }
 
 inline uint16_t f32_to_f16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
+  const uint32_t u = bits_of(f);
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t a = u & 0x7fffffffu;
   if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
@@ -74,9 +68,7 @@ inline uint16_t f32_to_f16(float f) {
     return static_cast<uint16_t>(sign | ((m + 0xfffu + ((m >> 13) & 1u)) >> 13));
   }
   // Subnormal half (or zero): count units of 2^-24; nearbyint rounds half to even.
-  float v;
-  std::memcpy(&v, &a, 4);
-  const float units = std::nearbyint(v * 16777216.0f);
+  const float units = std::nearbyint(float_of(a) * 16777216.0f);
   return static_cast<uint16_t>(sign | static_cast<uint16_t>(units));
 }
 
@@ -192,6 +184,28 @@ struct Layout {
   explicit Layout(const MsaParams& p);
   // Token t's block index within its sequence and its position inside the sequence.
   int64_t pos(int64_t t) const { return t - seq_start[seq_of[t]]; }
+};
+
+// The widest padded key block any sequence has: a block is never longer than its sequence.
+inline int64_t max_block_width(const MsaParams& p, const Layout& lay) {
+  return round_up(std::min<int64_t>(lay.blk, std::max<int64_t>(p.max_seqlen, 1)), kColTile);
+}
+
+// Work item `item` of a pass over (proxy head, query block) pairs. Later query blocks score or
+// attend to more keys, so they are handed out first.
+struct QueryBlockItem {
+  int64_t gq;  // global query block
+  int hp;      // proxy head
+  int pk;      // its proxy key head
+  int b;       // sequence of the block
+  int64_t nq;  // block index within the sequence
+
+  QueryBlockItem(const MsaParams& p, const Layout& lay, int64_t item)
+      : gq(lay.G - 1 - item / p.Hp),
+        hp(static_cast<int>(item % p.Hp)),
+        pk(p.proxy_key_head(hp)),
+        b(lay.blk_seq[gq]),
+        nq(gq - lay.blk_base[b]) {}
 };
 
 // fp32 copies of a key-side tensor x [T, Hx, Dx] (any input dtype), built in parallel.

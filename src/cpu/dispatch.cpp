@@ -51,7 +51,9 @@ void run_backward(const MsaParams& p, const Layout& lay, Team& team, bool dense)
   generic::attention_backward(p, lay, team, dense);
 }
 
-void forward(const MsaParams& p, bool dense) {
+// The forward and the backward share their set-up: T = 0 (kl written as 0), block_idx checks.
+void attention(const MsaParams& p, bool dense,
+               void (*run)(const MsaParams&, const Layout&, Team&, bool)) {
   if (p.T == 0) {
     if (p.kl != nullptr) *p.kl = 0.f;
     return;
@@ -59,18 +61,7 @@ void forward(const MsaParams& p, bool dense) {
   Layout lay(p);
   if (!dense) check_block_idx_contents(p, lay);
   Team team(team_size(p, lay));
-  run_forward(p, lay, team, dense);
-}
-
-void backward(const MsaParams& p, bool dense) {
-  if (p.T == 0) {
-    if (p.kl != nullptr) *p.kl = 0.f;
-    return;
-  }
-  Layout lay(p);
-  if (!dense) check_block_idx_contents(p, lay);
-  Team team(team_size(p, lay));
-  run_backward(p, lay, team, dense);
+  run(p, lay, team, dense);
 }
 
 }  // namespace
@@ -82,10 +73,10 @@ void select_blocks(const MsaParams& p) {
   run_select(p, lay, team);
 }
 
-void sparse_attention_forward(const MsaParams& p) { forward(p, false); }
-void fused_backward(const MsaParams& p) { backward(p, false); }
-void dense_warmup_forward(const MsaParams& p) { forward(p, true); }
-void dense_warmup_backward(const MsaParams& p) { backward(p, true); }
+void sparse_attention_forward(const MsaParams& p) { attention(p, false, run_forward); }
+void fused_backward(const MsaParams& p) { attention(p, false, run_backward); }
+void dense_warmup_forward(const MsaParams& p) { attention(p, true, run_forward); }
+void dense_warmup_backward(const MsaParams& p) { attention(p, true, run_backward); }
 
 }  // namespace cpu
 }  // namespace flashmsa

@@ -62,8 +62,7 @@ void attention_backward(const MsaParams& p, const Layout& lay, Team& team, bool 
     ranges[hp] = group_ranges(p, hp);
     for (const HeadRange& hr : ranges[hp]) mc_max = std::max(mc_max, hr.h1 - hr.h0);
   }
-  const int64_t wmax = round_up(std::min<int64_t>(lay.blk, std::max<int64_t>(p.max_seqlen, 1)),
-                                kColTile);
+  const int64_t wmax = max_block_width(p, lay);
   const int64_t max_list = dense ? std::max<int64_t>(lay.max_blocks, 1) : K;
 
   // ---- pre-pass, query-major: D_i and lse_s ------------------------------------------------
@@ -77,11 +76,9 @@ void attention_backward(const MsaParams& p, const Layout& lay, Team& team, bool 
     };
     std::vector<Pre> pre(team.size());
     team.run(static_cast<int64_t>(Hp) * G, [&](int64_t item, int worker) {
-      const int64_t gq = G - 1 - item / Hp;
-      const int hp = static_cast<int>(item % Hp);
-      const int pk = p.proxy_key_head(hp);
-      const int b = lay.blk_seq[gq];
-      const int64_t nq = gq - lay.blk_base[b];
+      const QueryBlockItem qb(p, lay, item);
+      const int hp = qb.hp, pk = qb.pk, b = qb.b;
+      const int64_t gq = qb.gq, nq = qb.nq;
       const int64_t t0 = lay.blk_start[gq], tt = lay.blk_len[gq];
       Pre& s = pre[worker];
       float* o = s.o.get(Dv);
@@ -110,21 +107,13 @@ void attention_backward(const MsaParams& p, const Layout& lay, Team& team, bool 
         const int32_t* mem = s.tl.tokens(n);
         const int64_t g = lay.blk_base[b] + n;
         const int64_t w = lay.blk_w[g], len = lay.blk_len[g];
-        for (int64_t a = 0; a < cnt; ++a)
-          std::memcpy(qpg + a * Dp, qpt + mem[a] * Dp, sizeof(float) * Dp);
+        gather_rows(qpg, qpt, Dp, mem, cnt, Dp);
         gemm_nn(cnt, w, Dp, qpg, Dp, kpt.data() + (pk * lay.w_total + lay.blk_woff[g]) * Dp, w,
                 sp, w, false);
         for (int64_t a = 0; a < cnt; ++a) {
           const int64_t i = mem[a];
           const int64_t valid = visible_keys(n, pos0 + i, lay.blk, len);
-          const float* si = sp + a * w;
-          const float mnew = std::max(s.ms[i], max_masked(si, w, valid) * scale_p);
-          vf sum = vset1(0.f);
-          for (int64_t j = 0; j < w; j += kW)
-            sum += vexp(vselect(lanes_below(j, valid), vload(si + j) * scale_p - mnew,
-                                vset1(kNegInf)));
-          s.ls[i] = s.ls[i] * std::exp(s.ms[i] - mnew) + hsum(sum);
-          s.ms[i] = mnew;
+          online_normaliser_add(sp + a * w, w, valid, scale_p, s.ms[i], s.ls[i]);
         }
       }
       for (int64_t i = 0; i < tt; ++i)
@@ -238,10 +227,7 @@ void attention_backward(const MsaParams& p, const Layout& lay, Team& team, bool 
             const vf qs = vexp(vselect(mask, log_q, vset1(kNegInf)));
             const vf te = vload(ti + j) * inv_m;
             vstore(si + j, vselect(mask, (qs - te) * coef, vset1(0.f)));
-            if (want_kl) {
-              const vi pos = mask & (te >= vset1(std::numeric_limits<float>::min()));
-              kl += vselect(pos, te * (vlog(vselect(pos, te, vset1(1.f))) - log_q), vset1(0.f));
-            }
+            if (want_kl) kl += kl_lanes(mask, te, log_q);
           }
           if (want_kl) kl_terms[hp * T + t] += hsum(kl);
         }

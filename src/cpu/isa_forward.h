@@ -85,12 +85,6 @@ struct TileLists {
   const int32_t* tokens(int64_t n) const { return members.data() + off[n]; }
 };
 
-inline float max_masked(const float* s, int64_t w, int64_t valid) {
-  vf m = vset1(kNegInf);
-  for (int64_t j = 0; j < w; j += kW) m = vselect(lanes_below(j, valid), vmax(m, vload(s + j)), m);
-  return hmax(m);
-}
-
 }  // namespace
 
 void attention_forward(const MsaParams& p, const Layout& lay, Team& team, bool dense) {
@@ -110,8 +104,7 @@ void attention_forward(const MsaParams& p, const Layout& lay, Team& team, bool d
   std::vector<std::vector<HeadRange>> ranges(Hp);
   for (int hp = 0; hp < Hp; ++hp) ranges[hp] = group_ranges(p, hp);
 
-  const int64_t wmax = round_up(std::min<int64_t>(lay.blk, std::max<int64_t>(p.max_seqlen, 1)),
-                                kColTile);
+  const int64_t wmax = max_block_width(p, lay);
   const int64_t max_list = dense ? std::max<int64_t>(lay.max_blocks, 1) : p.top_k;
   // Tokens per tile: about 1024 (token, head) rows of state, so the tile stays near L2; with the
   // KL cache (m * K * w floats per token) also at most ~4 MB of cached exponentials.
@@ -130,12 +123,9 @@ void attention_forward(const MsaParams& p, const Layout& lay, Team& team, bool d
   std::vector<Scratch> scratch(team.size());
 
   team.run(static_cast<int64_t>(Hp) * G, [&](int64_t item, int worker) {
-    const int64_t gq = G - 1 - item / Hp;  // later blocks (more keys) first
-    const int hp = static_cast<int>(item % Hp);
-    const int pk = p.proxy_key_head(hp);
-    const int hb = hp * m;
-    const int b = lay.blk_seq[gq];
-    const int64_t nq = gq - lay.blk_base[b];
+    const QueryBlockItem qb(p, lay, item);
+    const int hp = qb.hp, pk = qb.pk, b = qb.b, hb = hp * m;
+    const int64_t gq = qb.gq, nq = qb.nq;
     Scratch& sc = scratch[worker];
     float* qt = sc.qt.get(rows_max * D);       // [tt][m][D] the tile's queries
     float* qg = sc.qg.get(rows_max * D);       // [rows][D] gathered for one key block
@@ -185,6 +175,18 @@ void attention_forward(const MsaParams& p, const Layout& lay, Team& team, bool d
       auto valid_of = [&](int64_t n, int64_t len, int64_t i) {
         return visible_keys(n, pos0 + i, lay.blk, len);
       };
+      // Scores of tile tokens mem[0..cnt) against the key block at panel offset woff (width w):
+      // heads hr of the group into s [cnt * mc][w], or the proxy head into sp [cnt][w].
+      auto main_scores = [&](const HeadRange& hr, const int32_t* mem, int64_t cnt, int64_t woff,
+                             int64_t w) {
+        const int mc = hr.h1 - hr.h0;
+        gather_rows(qg, qt + (hr.h0 - hb) * D, static_cast<int64_t>(m) * D, mem, cnt, mc * D);
+        gemm_nn(cnt * mc, w, D, qg, D, kt.data() + (hr.c * lay.w_total + woff) * D, w, s, w, false);
+      };
+      auto proxy_scores = [&](const int32_t* mem, int64_t cnt, int64_t woff, int64_t w) {
+        gather_rows(qpg, qpt, Dp, mem, cnt, Dp);
+        gemm_nn(cnt, w, Dp, qpg, Dp, kpt.data() + (pk * lay.w_total + woff) * Dp, w, sp, w, false);
+      };
 
       // ---- sweep 1: online softmax, o, lse; the student's normaliser -----------------------
       for (int64_t n = 0; n <= nq; ++n) {
@@ -198,9 +200,7 @@ void attention_forward(const MsaParams& p, const Layout& lay, Team& team, bool d
         for (const HeadRange& hr : ranges[hp]) {
           const int mc = hr.h1 - hr.h0;
           const int64_t rows = cnt * mc;
-          for (int64_t a = 0; a < cnt; ++a)
-            std::memcpy(qg + a * mc * D, qt + (mem[a] * m + (hr.h0 - hb)) * D, sizeof(float) * mc * D);
-          gemm_nn(rows, w, D, qg, D, kt.data() + (hr.c * lay.w_total + woff) * D, w, s, w, false);
+          main_scores(hr, mem, cnt, woff, w);
           for (int64_t a = 0; a < cnt; ++a) {
             const int64_t valid = valid_of(n, len, mem[a]);
             for (int hh = 0; hh < mc; ++hh) {
@@ -231,20 +231,12 @@ void attention_forward(const MsaParams& p, const Layout& lay, Team& team, bool d
               vadd_into(acc + (mem[a] * m + (hr.h0 - hb) + hh) * Dvp, og + (a * mc + hh) * Dvp, Dvp);
         }
         if (want_kl) {
-          for (int64_t a = 0; a < cnt; ++a)
-            std::memcpy(qpg + a * Dp, qpt + mem[a] * Dp, sizeof(float) * Dp);
-          gemm_nn(cnt, w, Dp, qpg, Dp, kpt.data() + (pk * lay.w_total + woff) * Dp, w, sp, w, false);
+          proxy_scores(mem, cnt, woff, w);
           for (int64_t a = 0; a < cnt; ++a) {
             const int64_t i = mem[a];
             const int64_t valid = valid_of(n, len, i);
             const float* si = sp + a * w;
-            const float mnew = std::max(sc.ms[i], max_masked(si, w, valid) * scale_p);
-            vf sum = vset1(0.f);
-            for (int64_t j = 0; j < w; j += kW)
-              sum += vexp(vselect(lanes_below(j, valid), vload(si + j) * scale_p - mnew,
-                                  vset1(kNegInf)));
-            sc.ls[i] = sc.ls[i] * std::exp(sc.ms[i] - mnew) + hsum(sum);
-            sc.ms[i] = mnew;
+            online_normaliser_add(si, w, valid, scale_p, sc.ms[i], sc.ls[i]);
             if (cache_kl) std::memcpy(spc + (i * K + slot[a]) * wmax, si, sizeof(float) * w);
           }
         }
@@ -290,9 +282,7 @@ void attention_forward(const MsaParams& p, const Layout& lay, Team& team, bool d
               const vi mask = lanes_below(j, valid);
               vf te = vset1(0.f);
               for (int r = 0; r < m; ++r) te += vload(probs + r * wmax + j) * sc.factor[r];
-              const vi pos = mask & (te >= vset1(std::numeric_limits<float>::min()));
-              const vf log_q = vload(si + j) * scale_p - sc.lse_s[i];
-              klv += vselect(pos, te * (vlog(vselect(pos, te, vset1(1.f))) - log_q), vset1(0.f));
+              klv += kl_lanes(mask, te, vload(si + j) * scale_p - sc.lse_s[i]);
             }
             kl += hsum(klv);
           }
@@ -311,10 +301,7 @@ void attention_forward(const MsaParams& p, const Layout& lay, Team& team, bool d
         std::fill(tch, tch + cnt * w, 0.f);
         for (const HeadRange& hr : ranges[hp]) {
           const int mc = hr.h1 - hr.h0;
-          const int64_t rows = cnt * mc;
-          for (int64_t a = 0; a < cnt; ++a)
-            std::memcpy(qg + a * mc * D, qt + (mem[a] * m + (hr.h0 - hb)) * D, sizeof(float) * mc * D);
-          gemm_nn(rows, w, D, qg, D, kt.data() + (hr.c * lay.w_total + woff) * D, w, s, w, false);
+          main_scores(hr, mem, cnt, woff, w);
           for (int64_t a = 0; a < cnt; ++a) {
             const int64_t valid = valid_of(n, len, mem[a]);
             float* ta = tch + a * w;
@@ -328,9 +315,7 @@ void attention_forward(const MsaParams& p, const Layout& lay, Team& team, bool d
             }
           }
         }
-        for (int64_t a = 0; a < cnt; ++a)
-          std::memcpy(qpg + a * Dp, qpt + mem[a] * Dp, sizeof(float) * Dp);
-        gemm_nn(cnt, w, Dp, qpg, Dp, kpt.data() + (pk * lay.w_total + woff) * Dp, w, sp, w, false);
+        proxy_scores(mem, cnt, woff, w);
         for (int64_t a = 0; a < cnt; ++a) {
           const int64_t i = mem[a];
           const int64_t valid = valid_of(n, len, i);
@@ -339,10 +324,7 @@ void attention_forward(const MsaParams& p, const Layout& lay, Team& team, bool d
           vf klv = vset1(0.f);
           for (int64_t j = 0; j < w; j += kW) {
             const vi mask = lanes_below(j, valid);
-            const vf te = vload(ta + j) * inv_m;
-            const vi pos = mask & (te >= vset1(std::numeric_limits<float>::min()));
-            const vf log_q = vload(si + j) * scale_p - sc.lse_s[i];
-            klv += vselect(pos, te * (vlog(vselect(pos, te, vset1(1.f))) - log_q), vset1(0.f));
+            klv += kl_lanes(mask, vload(ta + j) * inv_m, vload(si + j) * scale_p - sc.lse_s[i]);
           }
           sc.kl[i] += hsum(klv);
         }

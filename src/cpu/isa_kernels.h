@@ -187,12 +187,48 @@ inline void gemm_tn(int64_t M, int64_t N, int64_t kd, const float* A, int64_t ld
   gemm<true>(M, N, kd, A, lda, B, ldb, C, ldc, accumulate);
 }
 
+// Rows idx[0..cnt) of src (row stride src_stride), n floats each, packed into dst [cnt][n]:
+// the GEMM A operand of the tokens that attend to one key block.
+inline void gather_rows(float* dst, const float* src, int64_t src_stride, const int32_t* idx,
+                        int64_t cnt, int64_t n) {
+  for (int64_t a = 0; a < cnt; ++a)
+    std::memcpy(dst + a * n, src + idx[a] * src_stride, sizeof(float) * n);
+}
+
 // dst[0..n) += src[0..n), n a multiple of kW.
 inline void vadd_into(float* dst, const float* src, int64_t n) {
   for (int64_t j = 0; j < n; j += kW) vstore(dst + j, vload(dst + j) + vload(src + j));
 }
 inline void vscale(float* x, int64_t n, float s) {
   for (int64_t j = 0; j < n; j += kW) vstore(x + j, vload(x + j) * s);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Softmax pieces over one score row s[0..w) of which the lanes below `valid` are real keys.
+
+inline float max_masked(const float* s, int64_t w, int64_t valid) {
+  vf m = vset1(kNegInf);
+  for (int64_t j = 0; j < w; j += kW) m = vselect(lanes_below(j, valid), vmax(m, vload(s + j)), m);
+  return hmax(m);
+}
+
+// Adds the row's keys, scaled by `scale`, into an online softmax normaliser (running max mx,
+// sum of exp(x - mx) in sum).
+inline void online_normaliser_add(const float* s, int64_t w, int64_t valid, float scale,
+                                  float& mx, float& sum) {
+  const float mnew = std::max(mx, max_masked(s, w, valid) * scale);
+  vf acc = vset1(0.f);
+  for (int64_t j = 0; j < w; j += kW)
+    acc += vexp(vselect(lanes_below(j, valid), vload(s + j) * scale - mnew, vset1(kNegInf)));
+  sum = sum * std::exp(mx - mnew) + hsum(acc);
+  mx = mnew;
+}
+
+// KL lanes te * (log te - log_q) for teacher probabilities te: zero where the lane is masked
+// or te is zero or subnormal (0 log 0 = 0; vlog only takes positive normals).
+FLASHMSA_VINLINE vf kl_lanes(vi mask, vf te, vf log_q) {
+  const vi pos = mask & (te >= vset1(std::numeric_limits<float>::min()));
+  return vselect(pos, te * (vlog(vselect(pos, te, vset1(1.f))) - log_q), vset1(0.f));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -49,17 +49,14 @@ void select_blocks(const MsaParams& p, const Layout& lay, Team& team) {
     std::vector<int32_t> best_i;
   };
   std::vector<Scratch> scratch(team.size());
-  const int64_t wmax = round_up(std::min<int64_t>(lay.blk, std::max<int64_t>(p.max_seqlen, 1)),
-                                kColTile);
+  const int64_t wmax = max_block_width(p, lay);
   constexpr int64_t kRowChunk = 128;
 
   // Later query blocks score more candidates: hand them out first.
   team.run(static_cast<int64_t>(Hp) * G, [&](int64_t item, int worker) {
-    const int64_t gq = G - 1 - item / Hp;
-    const int hp = static_cast<int>(item % Hp);
-    const int pk = p.proxy_key_head(hp);
-    const int b = lay.blk_seq[gq];
-    const int64_t nq = gq - lay.blk_base[b];
+    const QueryBlockItem qb(p, lay, item);
+    const int hp = qb.hp, pk = qb.pk, b = qb.b;
+    const int64_t gq = qb.gq, nq = qb.nq;
     const int64_t t0 = lay.blk_start[gq], rows_total = lay.blk_len[gq];
     int32_t* out = p.block_idx + (static_cast<int64_t>(hp) * T + t0) * K;
 
@@ -93,12 +90,8 @@ void select_blocks(const MsaParams& p, const Layout& lay, Team& team) {
               kpt.data() + (static_cast<int64_t>(pk) * lay.w_total + lay.blk_woff[g]) * Dp;
           gemm_nn(rows, w, Dp, qp, Dp, panel, w, s, w, false);
           for (int64_t i = 0; i < rows; ++i) {
-            const float* si = s + i * w;
-            vf m = vset1(kNegInf);
-            for (int64_t j = 0; j < w; j += kW)
-              m = vselect(lanes_below(j, len), vmax(m, vload(si + j)), m);
             // scale_p > 0, so scaling the max equals the max of the scaled scores.
-            bs[i * f + n] = hmax(m) * p.proxy_scale;
+            bs[i * f + n] = max_masked(s + i * w, w, len) * p.proxy_scale;
           }
         }
       }
