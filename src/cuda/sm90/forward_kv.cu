@@ -39,8 +39,6 @@
 
 #include <cuda_bf16.h>
 
-#include <cub/device/device_radix_sort.cuh>
-
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -51,6 +49,8 @@
 #include "common/check.cuh"
 #include "common/metadata.cuh"
 #include "common/mma.cuh"
+#include "common/reduce_scatter.cuh"
+#include "common/selection_index.cuh"
 
 namespace flashmsa::cuda {
 namespace {
@@ -58,59 +58,13 @@ namespace {
 using bf16 = __nv_bfloat16;
 
 constexpr int kBlk = 128;      // BLK: keys per block
+static_assert(kBlk == kIndexBlk, "the shared selection index is built for this block size");
 constexpr int kD = 128;        // head dim (D = Dv = Dp)
 constexpr int kRowBytes = kD * 2;
 constexpr int kWarps = 8;      // warps per CTA (16 MMA rows each)
 constexpr int kThreads = kWarps * 32;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-
-// ---- the inverted index ------------------------------------------------------------------------
-
-__global__ void kv_block_sequence_kernel(const int32_t* __restrict__ blk_off,  // [B+1]
-                                         int32_t* __restrict__ blk_seq) {      // [NB]
-  const int b = blockIdx.x;
-  const int first = blk_off[b], count = blk_off[b + 1] - first;
-  for (int i = threadIdx.x; i < count; i += blockDim.x) blk_seq[first + i] = b;
-}
-
-// key = p * NB + global block, or the sentinel for padding and blocks the token cannot see
-// (skipping those keeps every later read in bounds); value = t * K + slot, so a stable sort
-// leaves each list ascending in t.
-__global__ void kv_make_keys_kernel(const int32_t* __restrict__ block_idx,  // [Hp, T, K]
-                                    const int32_t* __restrict__ cu,         // [B+1]
-                                    const int32_t* __restrict__ blk_off,    // [B+1]
-                                    int B, int64_t T, int K, int NB, int64_t n, uint32_t sentinel,
-                                    uint32_t* __restrict__ keys,            // [Hp*T*K]
-                                    int32_t* __restrict__ vals) {           // [Hp*T*K]
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t tk = i % (T * K);
-    const int p = static_cast<int>(i / (T * K));
-    const int64_t t = tk / K;
-    const int seq = find_sequence(cu, B, t);
-    const int nloc = static_cast<int>((t - cu[seq]) / kBlk);
-    const int blk = block_idx[i];
-    keys[i] = blk >= 0 && blk <= nloc ? static_cast<uint32_t>(p) * NB + blk_off[seq] + blk : sentinel;
-    vals[i] = static_cast<int32_t>(tk);
-  }
-}
-
-// seg[key] = first sorted position whose key is >= key, key in [0, nkeys].
-__global__ void kv_list_offsets_kernel(const uint32_t* __restrict__ sorted_keys,  // [n]
-                                       int64_t n, int64_t nkeys,
-                                       int32_t* __restrict__ seg) {               // [nkeys+1]
-  const int64_t key = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (key > nkeys) return;
-  int64_t lo = 0, hi = n;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi) >> 1;
-    if (sorted_keys[mid] < static_cast<uint32_t>(key)) lo = mid + 1;
-    else hi = mid;
-  }
-  seg[key] = static_cast<int32_t>(lo);
-}
-
 
 // ---- the two KV-major passes ---------------------------------------------------------------------
 
@@ -178,18 +132,6 @@ __device__ __forceinline__ int lower_bound_vals(const int32_t* __restrict__ vals
     else hi = mid;
   }
   return lo;
-}
-
-// One level of a reduce-scatter across lanes lane ^ mask: the lane keeps the upper half of the
-// values when `upper`, and adds the partner's copy of that half.
-template <int N>
-__device__ __forceinline__ void reduce_scatter_level(const float (&in)[2 * N], float (&out)[N], bool upper,
-                                                     int mask) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const float keep = upper ? in[i + N] : in[i], send = upper ? in[i] : in[i + N];
-    out[i] = keep + __shfl_xor_sync(0xffffffffu, send, mask);
-  }
 }
 
 // The round layout for a group of M heads: a warp's 16 rows are kR entries x M heads, a round
@@ -460,15 +402,7 @@ __global__ void __launch_bounds__(kThreads, kPass2 ? 1 : kv_pass1_ctas<M>()) kv_
             float vv[8];
 #pragma unroll
             for (int kk = 0; kk < 8; ++kk) vv[kk] = s[kk >> 1][kk & 1] + s[kk >> 1][2 + (kk & 1)];
-            const bool b2 = (g >> 2) & 1, b1 = (g >> 1) & 1, b0 = g & 1;
-            float h4[4], h2[2];
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-              h4[i] = (b2 ? vv[i + 4] : vv[i]) + __shfl_xor_sync(0xffffffffu, b2 ? vv[i] : vv[i + 4], 16);
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-              h2[i] = (b1 ? h4[i + 2] : h4[i]) + __shfl_xor_sync(0xffffffffu, b1 ? h4[i] : h4[i + 2], 8);
-            const float colsum = (b0 ? h2[1] : h2[0]) + __shfl_xor_sync(0xffffffffu, b0 ? h2[0] : h2[1], 4);
+            const float colsum = reduce_scatter_rows8(vv, g);
             const int col = sub * 32 + (g >> 1) * 8 + c2 + (g & 1);
             if (key0 + col <= tpos_lo) {
               const float tch = colsum * (1.f / M);
@@ -608,35 +542,6 @@ __global__ void kv_kl_final_kernel(const float* __restrict__ acc, float factor, 
   kl[0] = acc[0] * factor;
 }
 
-int grid_for(int64_t n, int threads, int64_t cap = 65536) {
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(cap, (n + threads - 1) / threads)));
-}
-
-class Workspace {
- public:
-  size_t add(size_t bytes) {
-    const size_t at = size_;
-    size_ += (bytes + 255) / 256 * 256;
-    return at;
-  }
-  size_t size() const { return size_; }
-  void allocate(cudaStream_t s) {
-    if (size_ > 0) FLASHMSA_CUDA_CHECK(cudaMallocAsync(&base_, size_, s));
-  }
-  void release(cudaStream_t s) {
-    if (base_) FLASHMSA_CUDA_CHECK(cudaFreeAsync(base_, s));
-    base_ = nullptr;
-  }
-  template <typename U>
-  U* at(size_t offset) const {
-    return reinterpret_cast<U*>(static_cast<unsigned char*>(base_) + offset);
-  }
-
- private:
-  void* base_ = nullptr;
-  size_t size_ = 0;
-};
-
 // The two passes of one group size, with their shared-memory sizes.
 struct PassKernels {
   void (*pass1)(KvArgs);
@@ -675,27 +580,14 @@ bool kv_forward_applies(const MsaParams& p) {
 void launch_kv_forward(const MsaParams& p, cudaStream_t stream) {
   const int64_t T = p.T;
   const int K = p.top_k;
-  int NB = 0;
-  for (int b = 0; b < p.B; ++b) NB += (p.cu_seqlens_host[b + 1] - p.cu_seqlens_host[b] + kBlk - 1) / kBlk;
-  const int64_t n_entries = static_cast<int64_t>(p.Hp) * T * K;
-  const int64_t nkeys = static_cast<int64_t>(p.Hp) * NB;  // also the sentinel key
+  SelectionIndexPlan sel = selection_index_sizes(p);
+  const int NB = sel.NB;
+  const int64_t nkeys = sel.nkeys;  // also the sentinel key
   if (nkeys + 1 >= INT32_MAX)
     throw Error("flashmsa: sparse_attention_forward: argument 'q' has too many blocks");
-  int end_bit = 1;
-  while ((int64_t{1} << end_bit) <= nkeys) ++end_bit;
-
-  size_t cub_bytes = 0;
-  FLASHMSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
-      nullptr, cub_bytes, static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
-      static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), n_entries, 0, end_bit, stream));
 
   Workspace ws;
-  const size_t o_blk_off = ws.add((p.B + 1) * sizeof(int32_t));
-  const size_t o_blk_seq = ws.add(std::max(NB, 1) * sizeof(int32_t));
-  const size_t o_keys_in = ws.add(n_entries * 4), o_keys_out = ws.add(n_entries * 4);
-  const size_t o_vals_in = ws.add(n_entries * 4), o_vals_out = ws.add(n_entries * 4);
-  const size_t o_seg = ws.add((nkeys + 1) * sizeof(int32_t));
-  const size_t o_cub = ws.add(cub_bytes);
+  reserve_selection_index(sel, p, ws, stream);
   const size_t o_kl = ws.add(sizeof(float));
 
   // Chunk of tokens: the per-token buffers below plus the index stay within 0.45 x size of q
@@ -713,22 +605,7 @@ void launch_kv_forward(const MsaParams& p, cudaStream_t stream) {
   ws.allocate(stream);
 
   // ---- the inverted index ----
-  if (p.B > 0) {
-    build_tile_offsets_kernel<<<1, 1024, 0, stream>>>(p.cu_seqlens, p.B, kBlk, ws.at<int32_t>(o_blk_off));
-    FLASHMSA_CHECK_LAUNCH();
-    kv_block_sequence_kernel<<<p.B, 128, 0, stream>>>(ws.at<int32_t>(o_blk_off), ws.at<int32_t>(o_blk_seq));
-    FLASHMSA_CHECK_LAUNCH();
-  }
-  kv_make_keys_kernel<<<grid_for(n_entries, 256), 256, 0, stream>>>(
-      p.block_idx, p.cu_seqlens, ws.at<int32_t>(o_blk_off), p.B, T, K, NB, n_entries,
-      static_cast<uint32_t>(nkeys), ws.at<uint32_t>(o_keys_in), ws.at<int32_t>(o_vals_in));
-  FLASHMSA_CHECK_LAUNCH();
-  FLASHMSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
-      ws.at<void>(o_cub), cub_bytes, ws.at<const uint32_t>(o_keys_in), ws.at<uint32_t>(o_keys_out),
-      ws.at<const int32_t>(o_vals_in), ws.at<int32_t>(o_vals_out), n_entries, 0, end_bit, stream));
-  kv_list_offsets_kernel<<<grid_for(nkeys + 1, 256, INT_MAX), 256, 0, stream>>>(
-      ws.at<uint32_t>(o_keys_out), n_entries, nkeys, ws.at<int32_t>(o_seg));
-  FLASHMSA_CHECK_LAUNCH();
+  build_selection_index(p, sel, ws, stream);
 
   KvArgs a;
   a.q = static_cast<const bf16*>(p.q);
@@ -737,10 +614,10 @@ void launch_kv_forward(const MsaParams& p, cudaStream_t stream) {
   a.qp = static_cast<const bf16*>(p.qp);
   a.kp = static_cast<const bf16*>(p.kp);
   a.cu = p.cu_seqlens;
-  a.blk_off = ws.at<int32_t>(o_blk_off);
-  a.blk_seq = ws.at<int32_t>(o_blk_seq);
-  a.seg = ws.at<int32_t>(o_seg);
-  a.vals = ws.at<int32_t>(o_vals_out);
+  a.blk_off = ws.at<int32_t>(sel.o_blk_off);
+  a.blk_seq = ws.at<int32_t>(sel.o_blk_seq);
+  a.seg = ws.at<int32_t>(sel.o_seg);
+  a.vals = ws.at<int32_t>(sel.o_vals_out);
   a.part = ws.at<float>(o_part);
   a.part_s = ws.at<float>(o_part_s);
   a.lse = p.lse;

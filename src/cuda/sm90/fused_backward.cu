@@ -16,8 +16,6 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <cub/device/device_radix_sort.cuh>
-
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -26,6 +24,7 @@
 
 #include "common/check.cuh"
 #include "common/metadata.cuh"
+#include "common/selection_index.cuh"
 #include "launchers.h"
 #include "sm90/backward_kernels.cuh"
 
@@ -34,58 +33,7 @@ namespace {
 
 using bwd::bf16;
 using bwd::kBlk;
-
-// ---- metadata and the inverted index --------------------------------------------------------
-
-__global__ void block_sequence_kernel(const int32_t* __restrict__ blk_off,  // [B+1]
-                                      int32_t* __restrict__ blk_seq) {      // [NB]
-  const int b = blockIdx.x;
-  const int first = blk_off[b], count = blk_off[b + 1] - first;
-  for (int i = threadIdx.x; i < count; i += blockDim.x) blk_seq[first + i] = b;
-}
-
-// Block index of a selection entry, or -1 when it is padding (or names a block the token cannot
-// see, which a well-formed selection never does; skipping it keeps every read in bounds).
-__device__ __forceinline__ int entry_block(const int32_t* __restrict__ cu, int B, int64_t t, int idx,
-                                           int& seq) {
-  seq = find_sequence(cu, B, t);
-  const int nloc = static_cast<int>((t - cu[seq]) / kBlk);
-  return idx >= 0 && idx <= nloc ? idx : -1;
-}
-
-__global__ void make_keys_kernel(const int32_t* __restrict__ block_idx,  // [Hp, T, K]
-                                 const int32_t* __restrict__ cu,         // [B+1]
-                                 const int32_t* __restrict__ blk_off,    // [B+1]
-                                 int B, int64_t T, int K, int NB, int64_t n,
-                                 uint32_t sentinel,
-                                 uint32_t* __restrict__ keys,             // [Hp*T*K]
-                                 int32_t* __restrict__ vals) {            // [Hp*T*K]
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t tk = i % (T * K);
-    const int p = static_cast<int>(i / (T * K));
-    const int64_t t = tk / K;
-    int seq;
-    const int blk = entry_block(cu, B, t, block_idx[i], seq);
-    keys[i] = blk >= 0 ? static_cast<uint32_t>(p) * NB + blk_off[seq] + blk : sentinel;
-    vals[i] = static_cast<int32_t>(tk);
-  }
-}
-
-// seg_start[key] = first sorted position whose key is >= key (lower bound), key in [0, nkeys].
-__global__ void list_offsets_kernel(const uint32_t* __restrict__ sorted_keys,  // [n]
-                                    int64_t n, int64_t nkeys,
-                                    int32_t* __restrict__ seg_start) {         // [nkeys+1]
-  const int64_t key = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (key > nkeys) return;
-  int64_t lo = 0, hi = n;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi) >> 1;
-    if (sorted_keys[mid] < static_cast<uint32_t>(key)) lo = mid + 1;
-    else hi = mid;
-  }
-  seg_start[key] = static_cast<int32_t>(lo);
-}
+static_assert(kBlk == kIndexBlk, "the shared selection index is built for the backward's block size");
 
 // ---- small per-row kernels ------------------------------------------------------------------
 
@@ -210,35 +158,6 @@ __global__ void __launch_bounds__(256) kl_final_kernel(const float* __restrict__
 
 // ---- host side --------------------------------------------------------------------------------
 
-int grid_for(int64_t n, int threads, int64_t cap = 65536) {
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(cap, (n + threads - 1) / threads)));
-}
-
-// Bump allocator over one stream-ordered allocation.
-class Workspace {
- public:
-  size_t add(size_t bytes) {
-    const size_t at = size_;
-    size_ += (bytes + 255) / 256 * 256;
-    return at;
-  }
-  void allocate(cudaStream_t s) {
-    if (size_ > 0) FLASHMSA_CUDA_CHECK(cudaMallocAsync(&base_, size_, s));
-  }
-  void release(cudaStream_t s) {
-    if (base_) FLASHMSA_CUDA_CHECK(cudaFreeAsync(base_, s));
-    base_ = nullptr;
-  }
-  template <typename T>
-  T* at(size_t offset) const {
-    return reinterpret_cast<T*>(static_cast<unsigned char*>(base_) + offset);
-  }
-
- private:
-  void* base_ = nullptr;
-  size_t size_ = 0;
-};
-
 template <typename Kernel>
 void set_smem(Kernel kernel, int bytes) {
   FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
@@ -318,12 +237,10 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
 
   const int64_t T = p.T;
   const int K = p.top_k;
-  int NB = 0;
-  for (int b = 0; b < p.B; ++b) NB += (p.cu_seqlens_host[b + 1] - p.cu_seqlens_host[b] + kBlk - 1) / kBlk;
-  const int64_t n_entries = static_cast<int64_t>(p.Hp) * T * K;
-  const int64_t nkeys = static_cast<int64_t>(p.Hp) * NB;  // also the sentinel key
-  int end_bit = 1;
-  while ((int64_t{1} << end_bit) <= nkeys) ++end_bit;
+  SelectionIndexPlan sel = selection_index_sizes(p);
+  const int NB = sel.NB;
+  const int64_t n_entries = sel.n_entries;
+  const int64_t nkeys = sel.nkeys;  // also the sentinel key
 
   const int m = p.H / p.Hp, r = p.H / p.Hkv;
   int nseg = 0;
@@ -339,18 +256,8 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   const bool det = p.deterministic;
   const size_t acc_elem = det ? 8 : 4;
 
-  size_t cub_bytes = 0;
-  FLASHMSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
-      nullptr, cub_bytes, static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
-      static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), n_entries, 0, end_bit, stream));
-
   Workspace ws;
-  const size_t o_blk_off = ws.add((p.B + 1) * sizeof(int32_t));
-  const size_t o_blk_seq = ws.add(std::max(NB, 1) * sizeof(int32_t));
-  const size_t o_keys_in = ws.add(n_entries * 4), o_keys_out = ws.add(n_entries * 4);
-  const size_t o_vals_in = ws.add(n_entries * 4), o_vals_out = ws.add(n_entries * 4);
-  const size_t o_seg = ws.add((nkeys + 1) * sizeof(int32_t));
-  const size_t o_cub = ws.add(cub_bytes);
+  reserve_selection_index(sel, p, ws, stream);
   const size_t o_di = ws.add(T * p.H * sizeof(float));
   const size_t o_pmax = ws.add(n_entries * sizeof(float)), o_psum = ws.add(n_entries * sizeof(float));
   const size_t o_lse_s = ws.add(static_cast<size_t>(p.Hp) * T * sizeof(float));
@@ -371,30 +278,15 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // ---- metadata and the inverted index ----
   bwd::Index ix;
   ix.cu = p.cu_seqlens;
-  ix.blk_off = ws.at<int32_t>(o_blk_off);
-  ix.blk_seq = ws.at<int32_t>(o_blk_seq);
-  ix.seg_start = ws.at<int32_t>(o_seg);
-  ix.vals = ws.at<int32_t>(o_vals_out);
+  ix.blk_off = ws.at<int32_t>(sel.o_blk_off);
+  ix.blk_seq = ws.at<int32_t>(sel.o_blk_seq);
+  ix.seg_start = ws.at<int32_t>(sel.o_seg);
+  ix.vals = ws.at<int32_t>(sel.o_vals_out);
   ix.B = p.B;
   ix.NB = NB;
   ix.K = K;
   ix.T = T;
-  if (p.B > 0) {
-    build_tile_offsets_kernel<<<1, 1024, 0, stream>>>(p.cu_seqlens, p.B, kBlk, ws.at<int32_t>(o_blk_off));
-    FLASHMSA_CHECK_LAUNCH();
-    block_sequence_kernel<<<p.B, 128, 0, stream>>>(ws.at<int32_t>(o_blk_off), ws.at<int32_t>(o_blk_seq));
-    FLASHMSA_CHECK_LAUNCH();
-  }
-  make_keys_kernel<<<grid_for(n_entries, 256), 256, 0, stream>>>(
-      p.block_idx, p.cu_seqlens, ws.at<int32_t>(o_blk_off), p.B, T, K, NB, n_entries,
-      static_cast<uint32_t>(nkeys), ws.at<uint32_t>(o_keys_in), ws.at<int32_t>(o_vals_in));
-  FLASHMSA_CHECK_LAUNCH();
-  FLASHMSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
-      ws.at<void>(o_cub), cub_bytes, ws.at<const uint32_t>(o_keys_in), ws.at<uint32_t>(o_keys_out),
-      ws.at<const int32_t>(o_vals_in), ws.at<int32_t>(o_vals_out), n_entries, 0, end_bit, stream));
-  list_offsets_kernel<<<grid_for(nkeys + 1, 256, INT_MAX), 256, 0, stream>>>(
-      ws.at<uint32_t>(o_keys_out), n_entries, nkeys, ws.at<int32_t>(o_seg));
-  FLASHMSA_CHECK_LAUNCH();
+  build_selection_index(p, sel, ws, stream);
 
   // ---- per-row terms ----
   const int64_t rows = T * p.H;

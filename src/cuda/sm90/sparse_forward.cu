@@ -38,6 +38,7 @@
 #include "common/check.cuh"
 #include "common/metadata.cuh"
 #include "common/mma.cuh"
+#include "common/reduce_scatter.cuh"
 #include "launchers.h"
 #include "sm90/forward_kv.cuh"
 
@@ -465,15 +466,7 @@ __global__ void __launch_bounds__(32)
     for (int k = 0; k < 8; ++k)
       v[k] = exp2f(s[k >> 1][k & 1] * a.scale_log2 - lse2_lo) +
              exp2f(s[k >> 1][2 + (k & 1)] * a.scale_log2 - lse2_hi);
-    const bool b2 = (g >> 2) & 1, b1 = (g >> 1) & 1, b0 = g & 1;
-    float h4[4], h2[2];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      h4[i] = (b2 ? v[i + 4] : v[i]) + __shfl_xor_sync(0xffffffffu, b2 ? v[i] : v[i + 4], 16);
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-      h2[i] = (b1 ? h4[i + 2] : h4[i]) + __shfl_xor_sync(0xffffffffu, b1 ? h4[i] : h4[i + 2], 8);
-    const float colsum = (b0 ? h2[1] : h2[0]) + __shfl_xor_sync(0xffffffffu, b0 ? h2[0] : h2[1], 4);
+    const float colsum = reduce_scatter_rows8(v, g);
     // Every row of the proxy product holds the same scores (the proxy query fills all rows).
     float sv = 0.f;
 #pragma unroll

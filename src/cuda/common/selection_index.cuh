@@ -1,0 +1,185 @@
+// The inverted selection index shared by the KV-major kernels (fused backward, KV-major forward):
+// for each (proxy head p, global key block) the list of selection entries (t * K + slot) that
+// chose it. Built on a stream with no host synchronisation:
+//   1. first global block of each sequence (blk_off), the sequence of each global block (blk_seq);
+//   2. one key per entry, p * NB + global block, or a sentinel (nkeys) for padding and blocks
+//      the token cannot see; value t * K + slot;
+//   3. cub stable radix sort, so each list is ascending in t and the same every run;
+//   4. list offsets by lower bound: list `key` is vals[seg[key], seg[key + 1]).
+// Plus the host helpers both launchers use (grid sizes, one stream-ordered workspace).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cub/device/device_radix_sort.cuh>
+
+#include <algorithm>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+
+#include "common/check.cuh"
+#include "common/metadata.cuh"
+#include "params.h"
+
+namespace flashmsa::cuda {
+
+// Keys per block the index is built for: the CUDA backend only takes block_size 128
+// (support.cpp), and a compile-time divisor keeps the per-entry division a shift.
+constexpr int kIndexBlk = 128;
+
+// Grid for a grid-stride or one-thread-per-item loop over n items, capped at `cap` blocks.
+inline int grid_for(int64_t n, int threads, int64_t cap = 65536) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(cap, (n + threads - 1) / threads)));
+}
+
+// Bump allocator over one stream-ordered allocation: offsets are planned first (so every size
+// is known before anything is allocated or launched), then one cudaMallocAsync.
+class Workspace {
+ public:
+  size_t add(size_t bytes) {
+    const size_t at = size_;
+    size_ += (bytes + 255) / 256 * 256;
+    return at;
+  }
+  size_t size() const { return size_; }
+  void allocate(cudaStream_t s) {
+    if (size_ > 0) FLASHMSA_CUDA_CHECK(cudaMallocAsync(&base_, size_, s));
+  }
+  void release(cudaStream_t s) {
+    if (base_) FLASHMSA_CUDA_CHECK(cudaFreeAsync(base_, s));
+    base_ = nullptr;
+  }
+  template <typename U>
+  U* at(size_t offset) const {
+    return reinterpret_cast<U*>(static_cast<unsigned char*>(base_) + offset);
+  }
+
+ private:
+  void* base_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Internal linkage, as build_tile_offsets_kernel: each including translation unit gets its own
+// copy of the kernels (no relocatable device code).
+namespace {
+
+__global__ void block_sequence_kernel(const int32_t* __restrict__ blk_off,  // [B+1]
+                                      int32_t* __restrict__ blk_seq) {      // [NB]
+  const int b = blockIdx.x;
+  const int first = blk_off[b], count = blk_off[b + 1] - first;
+  for (int i = threadIdx.x; i < count; i += blockDim.x) blk_seq[first + i] = b;
+}
+
+// Block index of a selection entry, or -1 when it is padding (or names a block the token cannot
+// see, which a well-formed selection never does; skipping it keeps every read in bounds).
+__device__ __forceinline__ int entry_block(const int32_t* __restrict__ cu, int B, int64_t t, int idx,
+                                           int& seq) {
+  seq = find_sequence(cu, B, t);
+  const int nloc = static_cast<int>((t - cu[seq]) / kIndexBlk);
+  return idx >= 0 && idx <= nloc ? idx : -1;
+}
+
+// Value t * K + slot (not the flat entry index) so a stable sort leaves each list ascending in t.
+__global__ void make_keys_kernel(const int32_t* __restrict__ block_idx,  // [Hp, T, K]
+                                 const int32_t* __restrict__ cu,         // [B+1]
+                                 const int32_t* __restrict__ blk_off,    // [B+1]
+                                 int B, int64_t T, int K, int NB, int64_t n,
+                                 uint32_t sentinel,
+                                 uint32_t* __restrict__ keys,             // [Hp*T*K]
+                                 int32_t* __restrict__ vals) {            // [Hp*T*K]
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t tk = i % (T * K);
+    const int p = static_cast<int>(i / (T * K));
+    const int64_t t = tk / K;
+    int seq;
+    const int blk = entry_block(cu, B, t, block_idx[i], seq);
+    keys[i] = blk >= 0 ? static_cast<uint32_t>(p) * NB + blk_off[seq] + blk : sentinel;
+    vals[i] = static_cast<int32_t>(tk);
+  }
+}
+
+// seg_start[key] = first sorted position whose key is >= key (lower bound), key in [0, nkeys].
+__global__ void list_offsets_kernel(const uint32_t* __restrict__ sorted_keys,  // [n]
+                                    int64_t n, int64_t nkeys,
+                                    int32_t* __restrict__ seg_start) {         // [nkeys+1]
+  const int64_t key = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (key > nkeys) return;
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) >> 1;
+    if (sorted_keys[mid] < static_cast<uint32_t>(key)) lo = mid + 1;
+    else hi = mid;
+  }
+  seg_start[key] = static_cast<int32_t>(lo);
+}
+
+}  // namespace
+
+// Sizes of the index and where its buffers sit in the caller's workspace.
+struct SelectionIndexPlan {
+  int NB = 0;             // key blocks over all sequences
+  int64_t n_entries = 0;  // Hp * T * K
+  int64_t nkeys = 0;      // Hp * NB, also the sentinel key
+  int end_bit = 1;        // radix bits that cover keys 0..nkeys
+  size_t cub_bytes = 0;
+  size_t o_blk_off = 0, o_blk_seq = 0;   // [B+1], [max(NB, 1)]
+  size_t o_keys_in = 0, o_keys_out = 0;  // [n_entries] each
+  size_t o_vals_in = 0, o_vals_out = 0;  // [n_entries] each; vals_out is the sorted list
+  size_t o_seg = 0;                      // [nkeys+1]
+  size_t o_cub = 0;                      // [cub_bytes]
+};
+
+// The index's sizes from the host copy of cu_seqlens; no workspace yet (callers may reject the
+// problem on these sizes before anything is reserved).
+inline SelectionIndexPlan selection_index_sizes(const MsaParams& p) {
+  SelectionIndexPlan s;
+  for (int b = 0; b < p.B; ++b)
+    s.NB += (p.cu_seqlens_host[b + 1] - p.cu_seqlens_host[b] + kIndexBlk - 1) / kIndexBlk;
+  s.n_entries = static_cast<int64_t>(p.Hp) * p.T * p.top_k;
+  s.nkeys = static_cast<int64_t>(p.Hp) * s.NB;
+  while ((int64_t{1} << s.end_bit) <= s.nkeys) ++s.end_bit;
+  return s;
+}
+
+// Reserves the index's buffers (first in `ws`, in a fixed order) and sizes cub's temporary
+// storage; launches nothing.
+inline void reserve_selection_index(SelectionIndexPlan& s, const MsaParams& p, Workspace& ws,
+                                    cudaStream_t stream) {
+  FLASHMSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+      nullptr, s.cub_bytes, static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
+      static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), s.n_entries, 0, s.end_bit, stream));
+  s.o_blk_off = ws.add((p.B + 1) * sizeof(int32_t));
+  s.o_blk_seq = ws.add(std::max(s.NB, 1) * sizeof(int32_t));
+  s.o_keys_in = ws.add(s.n_entries * 4);
+  s.o_keys_out = ws.add(s.n_entries * 4);
+  s.o_vals_in = ws.add(s.n_entries * 4);
+  s.o_vals_out = ws.add(s.n_entries * 4);
+  s.o_seg = ws.add((s.nkeys + 1) * sizeof(int32_t));
+  s.o_cub = ws.add(s.cub_bytes);
+}
+
+// Builds the index into the allocated workspace, on `stream`.
+inline void build_selection_index(const MsaParams& p, const SelectionIndexPlan& s, const Workspace& ws,
+                                  cudaStream_t stream) {
+  if (p.B > 0) {
+    build_tile_offsets_kernel<<<1, 1024, 0, stream>>>(p.cu_seqlens, p.B, kIndexBlk, ws.at<int32_t>(s.o_blk_off));
+    FLASHMSA_CHECK_LAUNCH();
+    block_sequence_kernel<<<p.B, 128, 0, stream>>>(ws.at<int32_t>(s.o_blk_off), ws.at<int32_t>(s.o_blk_seq));
+    FLASHMSA_CHECK_LAUNCH();
+  }
+  make_keys_kernel<<<grid_for(s.n_entries, 256), 256, 0, stream>>>(
+      p.block_idx, p.cu_seqlens, ws.at<int32_t>(s.o_blk_off), p.B, p.T, p.top_k, s.NB, s.n_entries,
+      static_cast<uint32_t>(s.nkeys), ws.at<uint32_t>(s.o_keys_in), ws.at<int32_t>(s.o_vals_in));
+  FLASHMSA_CHECK_LAUNCH();
+  size_t cub_bytes = s.cub_bytes;
+  FLASHMSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+      ws.at<void>(s.o_cub), cub_bytes, ws.at<const uint32_t>(s.o_keys_in), ws.at<uint32_t>(s.o_keys_out),
+      ws.at<const int32_t>(s.o_vals_in), ws.at<int32_t>(s.o_vals_out), s.n_entries, 0, s.end_bit, stream));
+  list_offsets_kernel<<<grid_for(s.nkeys + 1, 256, INT_MAX), 256, 0, stream>>>(
+      ws.at<uint32_t>(s.o_keys_out), s.n_entries, s.nkeys, ws.at<int32_t>(s.o_seg));
+  FLASHMSA_CHECK_LAUNCH();
+}
+
+}  // namespace flashmsa::cuda
