@@ -5,6 +5,7 @@
 // implemented in test_harness.cpp and only linked into flashmsa_tests.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -221,22 +222,25 @@ inline std::vector<double> rounded(flashmsa::DType dtype, std::vector<double> x)
 
 // ||got - ref|| / ||ref||; ref all zero falls back to the absolute norm.
 inline double rel_l2(const std::vector<double>& got, const std::vector<double>& ref) {
+  if (got.size() != ref.size()) return std::numeric_limits<double>::infinity();
   double num = 0, den = 0;
   for (size_t i = 0; i < ref.size(); ++i) {
     const double d = got[i] - ref[i];
     num += d * d;
     den += ref[i] * ref[i];
   }
-  if (got.size() != ref.size()) return std::numeric_limits<double>::infinity();
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
+// Any NaN difference (an unwritten, poisoned element) makes the result inf, so it can never
+// pass a tolerance and is not overwritten by a later finite difference.
 inline double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) {
   if (a.size() != b.size()) return std::numeric_limits<double>::infinity();
   double m = 0;
   for (size_t i = 0; i < a.size(); ++i) {
     const double d = std::fabs(a[i] - b[i]);
-    if (!(d <= m)) m = d;  // NaN propagates as inf-like
+    if (std::isnan(d)) return std::numeric_limits<double>::infinity();
+    m = std::max(m, d);
   }
   return m;
 }

@@ -57,21 +57,29 @@ class BadInput : public ::testing::Test {
     c_.opt.block_size = 8;
     c_.opt.top_k = 2;
     c_.seed = 300;
+    // Mutated input views point here so a missed check cannot read out of bounds.
+    scratch_.assign(1 << 16, 0.25f);
+    use_problem(c_);
+  }
+
+  // The problem of `c` with every output allocated in its dtype (lse and kl fp32), and all the
+  // views reset to it.
+  void use_problem(const msatest::Case& c) {
+    c_ = c;
     pr_ = msatest::make_problem(c_);
     T_ = pr_.cfg.T();
     const auto& h = c_.heads;
-    block_idx_ = HostTensor(DType::int32, {h.Hp, T_, 2});
-    o_ = HostTensor(DType::fp32, {T_, h.H, h.Dv});
+    const DType dt = c_.dtype;
+    block_idx_ = HostTensor(DType::int32, {h.Hp, T_, c_.opt.top_k});
+    o_ = HostTensor(dt, {T_, h.H, h.Dv});
     lse_ = HostTensor(DType::fp32, {h.H, T_});
     kl_ = HostTensor(DType::fp32, {1});
     kl_b_ = HostTensor(DType::fp32, {1});
-    dq_ = HostTensor(DType::fp32, {T_, h.H, h.D});
-    dk_ = HostTensor(DType::fp32, {T_, h.Hkv, h.D});
-    dv_ = HostTensor(DType::fp32, {T_, h.Hkv, h.Dv});
-    dqp_ = HostTensor(DType::fp32, {T_, h.Hp, h.Dp});
-    dkp_ = HostTensor(DType::fp32, {T_, h.Hpk, h.Dp});
-    // Mutated input views point here so a missed check cannot read out of bounds.
-    scratch_.assign(1 << 16, 0.25f);
+    dq_ = HostTensor(dt, {T_, h.H, h.D});
+    dk_ = HostTensor(dt, {T_, h.Hkv, h.D});
+    dv_ = HostTensor(dt, {T_, h.Hkv, h.Dv});
+    dqp_ = HostTensor(dt, {T_, h.Hp, h.Dp});
+    dkp_ = HostTensor(dt, {T_, h.Hpk, h.Dp});
     in_ = pr_.views();
     opt_ = c_.opt;
     idx_v_ = block_idx_.view();
@@ -487,27 +495,7 @@ TEST_F(BadInput, CudaDeviceWithoutCuda) {
   c.dtype = DType::bf16;
   c.opt.block_size = 128;
   c.opt.top_k = 2;
-  pr_ = msatest::make_problem(c);
-  c_ = c;
-  const int64_t T = 5;
-  block_idx_ = HostTensor(DType::int32, {1, T, 2});
-  o_ = HostTensor(DType::bf16, {T, 2, 64});
-  lse_ = HostTensor(DType::fp32, {2, T});
-  dq_ = HostTensor(DType::bf16, {T, 2, 64});
-  dk_ = HostTensor(DType::bf16, {T, 1, 64});
-  dv_ = HostTensor(DType::bf16, {T, 1, 64});
-  dqp_ = HostTensor(DType::bf16, {T, 1, 64});
-  dkp_ = HostTensor(DType::bf16, {T, 1, 64});
-  in_ = pr_.views();
-  opt_ = c.opt;
-  idx_v_ = block_idx_.view();
-  o_v_ = o_.view();
-  lse_v_ = lse_.view();
-  kl_v_ = kl_.view();
-  kl_b_v_ = kl_b_.view();
-  d_o_v_ = pr_.d_o_t.view();
-  kl_grad_v_ = pr_.kl_grad.view();
-  grads_ = {dq_.view(), dk_.view(), dv_.view(), dqp_.view(), dkp_.view()};
+  use_problem(c);
   for (TensorView* v : {&in_.q, &in_.k, &in_.v, &in_.qp, &in_.kp, &in_.cu_seqlens, &idx_v_, &o_v_,
                         &lse_v_, &kl_v_, &kl_b_v_, &d_o_v_, &kl_grad_v_, &grads_.dq, &grads_.dk,
                         &grads_.dv, &grads_.dqp, &grads_.dkp})

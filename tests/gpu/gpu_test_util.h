@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -20,8 +21,12 @@
 #include <vector>
 
 #include "flashmsa/flashmsa.h"
+#include "test_util.h"  // bf16 conversion, cu_seqlens, error metrics shared with the CPU suites
 
 namespace gputest {
+
+using msatest::max_abs_diff;
+using msatest::rel_l2;
 
 #define GPUTEST_CUDA(call)                                                          \
   do {                                                                              \
@@ -35,20 +40,8 @@ namespace gputest {
     if (!flashmsa::cuda_device_available()) GTEST_SKIP() << "no sm_90 CUDA device"; \
   } while (0)
 
-// ---- bf16 on the host (round to nearest even), independent of the library ----
-inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if (std::isnan(f)) return 0x7FC0;
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-inline float from_bf16(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+// bf16 on the host (round to nearest even), independent of the library: test_util.h's.
+inline float from_bf16(uint16_t h) { return msatest::bf16_to_float(h); }
 
 // A device allocation; poison() fills it with 0xFF bytes: NaN for bf16 and fp32, and -1
 // (a legal padding value) would hide misses, so int32 buffers are poisoned with 0xAB bytes.
@@ -116,10 +109,37 @@ struct Shape {
   std::vector<int> lengths;
 };
 
-inline std::vector<int32_t> cu_from(const std::vector<int>& lengths) {
-  std::vector<int32_t> cu{0};
-  for (int l : lengths) cu.push_back(cu.back() + l);
-  return cu;
+// The tests' usual shape constructor (K and L matter only to the sparse mode).
+inline Shape shape(int H, int Hkv, int Hp, int Hpk, int D, int K, std::vector<int> lengths,
+                   int L = 1) {
+  Shape s;
+  s.H = H;
+  s.Hkv = Hkv;
+  s.Hp = Hp;
+  s.Hpk = Hpk;
+  s.D = D;
+  s.K = K;
+  s.local_blocks = L;
+  s.lengths = std::move(lengths);
+  return s;
+}
+
+// bf16 views of the five [T, heads, D] tensors of shape s, in the order q, k, v, qp, kp (the
+// gradients dq .. dkp have the same shapes), over the given buffers on `dev` (host or device).
+inline std::array<flashmsa::TensorView, 5> five_views(const std::array<const void*, 5>& ptr,
+                                                      const Shape& s, int64_t T,
+                                                      flashmsa::Device dev) {
+  const int heads[5] = {s.H, s.Hkv, s.Hkv, s.Hp, s.Hpk};
+  std::array<flashmsa::TensorView, 5> v;
+  for (int i = 0; i < 5; ++i)
+    v[i] = flashmsa::make_view(ptr[i], flashmsa::DType::bf16, {T, heads[i], s.D}, dev, 0);
+  return v;
+}
+
+inline flashmsa::Gradients grad_views(void* dq, void* dk, void* dv, void* dqp, void* dkp,
+                                      const Shape& s, int64_t T, flashmsa::Device dev) {
+  const auto v = five_views({dq, dk, dv, dqp, dkp}, s, T, dev);
+  return {v[0], v[1], v[2], v[3], v[4]};
 }
 
 // Host inputs (bf16 bits) and their device copies.
@@ -132,26 +152,27 @@ struct Problem {
   DeviceBuffer dq, dk, dv, dqp, dkp, dcu;
 
   flashmsa::AttentionInputs device_inputs() const {
-    using flashmsa::DType;
-    flashmsa::AttentionInputs in;
-    in.q = dview(dq, DType::bf16, {T, s.H, s.D});
-    in.k = dview(dk, DType::bf16, {T, s.Hkv, s.D});
-    in.v = dview(dv, DType::bf16, {T, s.Hkv, s.D});
-    in.qp = dview(dqp, DType::bf16, {T, s.Hp, s.D});
-    in.kp = dview(dkp, DType::bf16, {T, s.Hpk, s.D});
-    in.cu_seqlens = dview(dcu, DType::int32, {B + 1});
+    flashmsa::AttentionInputs in = inputs_over(dq.get(), dk.get(), dv.get(), dqp.get(), dkp.get(),
+                                               dcu.get(), flashmsa::Device::cuda);
     in.cu_seqlens_host = cu.data();
     return in;
   }
   flashmsa::AttentionInputs host_inputs() {
-    using flashmsa::DType;
+    return inputs_over(q.data(), k.data(), v.data(), qp.data(), kp.data(), cu.data(),
+                       flashmsa::Device::cpu);
+  }
+  // The inputs as bf16 views (cu_seqlens int32) of the given buffers on `dev`.
+  flashmsa::AttentionInputs inputs_over(const void* q_, const void* k_, const void* v_,
+                                        const void* qp_, const void* kp_, const void* cu_,
+                                        flashmsa::Device dev) const {
+    const auto v = five_views({q_, k_, v_, qp_, kp_}, s, T, dev);
     flashmsa::AttentionInputs in;
-    in.q = flashmsa::make_view(q.data(), DType::bf16, {T, s.H, s.D});
-    in.k = flashmsa::make_view(k.data(), DType::bf16, {T, s.Hkv, s.D});
-    in.v = flashmsa::make_view(v.data(), DType::bf16, {T, s.Hkv, s.D});
-    in.qp = flashmsa::make_view(qp.data(), DType::bf16, {T, s.Hp, s.D});
-    in.kp = flashmsa::make_view(kp.data(), DType::bf16, {T, s.Hpk, s.D});
-    in.cu_seqlens = flashmsa::make_view(cu.data(), DType::int32, {B + 1});
+    in.q = v[0];
+    in.k = v[1];
+    in.v = v[2];
+    in.qp = v[3];
+    in.kp = v[4];
+    in.cu_seqlens = flashmsa::make_view(cu_, flashmsa::DType::int32, {B + 1}, dev, 0);
     return in;
   }
   flashmsa::Options options() const {
@@ -166,14 +187,14 @@ struct Problem {
 inline std::vector<uint16_t> random_bf16(size_t n, std::mt19937_64& rng) {
   std::normal_distribution<float> dist(0.f, 1.f);
   std::vector<uint16_t> x(n);
-  for (auto& e : x) e = to_bf16(dist(rng));
+  for (auto& e : x) e = msatest::float_to_bf16(dist(rng));
   return x;
 }
 
 inline void make_problem(Problem& pr, const Shape& s, uint64_t seed) {
   std::mt19937_64 rng(seed);
   pr.s = s;
-  pr.cu = cu_from(s.lengths);
+  pr.cu = msatest::cu_from_lengths(s.lengths);
   pr.B = static_cast<int>(s.lengths.size());
   pr.T = pr.cu.back();
   const size_t T = static_cast<size_t>(pr.T);
@@ -350,28 +371,6 @@ inline std::vector<double> bf16_to_doubles(const std::vector<uint16_t>& x) {
   std::vector<double> y(x.size());
   for (size_t i = 0; i < x.size(); ++i) y[i] = from_bf16(x[i]);
   return y;
-}
-
-inline double rel_l2(const std::vector<double>& got, const std::vector<double>& ref) {
-  if (got.size() != ref.size()) return std::numeric_limits<double>::infinity();
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double d = got[i] - ref[i];
-    num += d * d;
-    den += ref[i] * ref[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
-
-inline double max_abs(const std::vector<double>& a, const std::vector<double>& b) {
-  if (a.size() != b.size()) return std::numeric_limits<double>::infinity();
-  double m = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    const double d = std::fabs(a[i] - b[i]);
-    if (std::isnan(d)) return std::numeric_limits<double>::infinity();
-    m = std::max(m, d);
-  }
-  return m;
 }
 
 inline int64_t count_nonfinite(const std::vector<double>& x) {

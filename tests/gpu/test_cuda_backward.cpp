@@ -21,6 +21,7 @@ using flashmsa::DType;
 using gputest::DeviceBuffer;
 using gputest::Problem;
 using gputest::Shape;
+using gputest::shape;
 
 // A valid selection that is not the top-K one: for each (p, t) the local block plus random
 // other visible blocks, ascending, -1 padding. The backward must take any valid selection.
@@ -84,12 +85,8 @@ Grads run_cpu(Setup& st) {
   std::vector<uint16_t> dq(T * s.H * s.D, 0xFFFF), dk(T * s.Hkv * s.D, 0xFFFF), dv(T * s.Hkv * s.D, 0xFFFF),
       dqp(T * s.Hp * s.D, 0xFFFF), dkp(T * s.Hpk * s.D, 0xFFFF);
   float kl = std::nanf("");
-  flashmsa::Gradients g;
-  g.dq = flashmsa::make_view(dq.data(), DType::bf16, {T, s.H, s.D});
-  g.dk = flashmsa::make_view(dk.data(), DType::bf16, {T, s.Hkv, s.D});
-  g.dv = flashmsa::make_view(dv.data(), DType::bf16, {T, s.Hkv, s.D});
-  g.dqp = flashmsa::make_view(dqp.data(), DType::bf16, {T, s.Hp, s.D});
-  g.dkp = flashmsa::make_view(dkp.data(), DType::bf16, {T, s.Hpk, s.D});
+  const flashmsa::Gradients g =
+      gputest::grad_views(dq.data(), dk.data(), dv.data(), dqp.data(), dkp.data(), s, T, flashmsa::Device::cpu);
   flashmsa::fused_backward(
       st.pr.host_inputs(), flashmsa::make_view(st.sel.data(), DType::int32, {s.Hp, T, s.K}),
       flashmsa::make_view(st.o.data(), DType::bf16, {T, s.H, s.D}),
@@ -137,12 +134,8 @@ Grads run_gpu(DeviceSide& d, const Setup& st, bool deterministic) {
   const Shape& s = st.pr.s;
   const int64_t T = st.pr.T;
   for (DeviceBuffer* b : {&d.dq, &d.dk, &d.dv, &d.dqp, &d.dkp, &d.kl}) b->fill(gputest::kFloatPoison);
-  flashmsa::Gradients g;
-  g.dq = gputest::dview(d.dq, DType::bf16, {T, s.H, s.D});
-  g.dk = gputest::dview(d.dk, DType::bf16, {T, s.Hkv, s.D});
-  g.dv = gputest::dview(d.dv, DType::bf16, {T, s.Hkv, s.D});
-  g.dqp = gputest::dview(d.dqp, DType::bf16, {T, s.Hp, s.D});
-  g.dkp = gputest::dview(d.dkp, DType::bf16, {T, s.Hpk, s.D});
+  const flashmsa::Gradients g = gputest::grad_views(d.dq.get(), d.dk.get(), d.dv.get(), d.dqp.get(), d.dkp.get(),
+                                                    s, T, flashmsa::Device::cuda);
   flashmsa::Options opt = st.opt;
   opt.deterministic = deterministic;
   flashmsa::fused_backward(st.pr.device_inputs(), gputest::dview(d.sel, DType::int32, {s.Hp, T, s.K}),
@@ -201,18 +194,6 @@ void check_backward(const Shape& s, uint64_t seed, bool pass_kl_grad = false, fl
       EXPECT_EQ(std::memcmp(&again.kl, &first.kl, 4), 0) << "deterministic kl differs in run " << run;
     }
   }
-}
-
-Shape shape(int H, int Hkv, int Hp, int Hpk, int D, int K, std::vector<int> lengths) {
-  Shape s;
-  s.H = H;
-  s.Hkv = Hkv;
-  s.Hp = Hp;
-  s.Hpk = Hpk;
-  s.D = D;
-  s.K = K;
-  s.lengths = std::move(lengths);
-  return s;
 }
 
 TEST(CudaBackward, GroupOfFourD64) {

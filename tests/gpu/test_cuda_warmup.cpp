@@ -38,12 +38,8 @@ void check_warmup(const Shape& s, uint64_t seed) {
                                  flashmsa::make_view(&kl_fc, DType::fp32, {1}));
   std::vector<uint16_t> dq_c(T * s.H * s.D), dk_c(T * s.Hkv * s.D), dv_c(T * s.Hkv * s.D), dqp_c(T * s.Hp * s.D),
       dkp_c(T * s.Hpk * s.D);
-  flashmsa::Gradients gc;
-  gc.dq = flashmsa::make_view(dq_c.data(), DType::bf16, {T, s.H, s.D});
-  gc.dk = flashmsa::make_view(dk_c.data(), DType::bf16, {T, s.Hkv, s.D});
-  gc.dv = flashmsa::make_view(dv_c.data(), DType::bf16, {T, s.Hkv, s.D});
-  gc.dqp = flashmsa::make_view(dqp_c.data(), DType::bf16, {T, s.Hp, s.D});
-  gc.dkp = flashmsa::make_view(dkp_c.data(), DType::bf16, {T, s.Hpk, s.D});
+  const flashmsa::Gradients gc = gputest::grad_views(dq_c.data(), dk_c.data(), dv_c.data(), dqp_c.data(),
+                                                     dkp_c.data(), s, T, flashmsa::Device::cpu);
   flashmsa::dense_warmup_backward(pr.host_inputs(), flashmsa::make_view(o_c.data(), DType::bf16, {T, s.H, s.D}),
                                   flashmsa::make_view(lse_c.data(), DType::fp32, {s.H, T}),
                                   flashmsa::make_view(d_o.data(), DType::bf16, {T, s.H, s.D}),
@@ -60,12 +56,8 @@ void check_warmup(const Shape& s, uint64_t seed) {
   for (DeviceBuffer* b : {&o, &lse, &kl_f, &kl_b, &dq, &dk, &dv, &dqp, &dkp}) b->fill(gputest::kFloatPoison);
   flashmsa::msa_forward(in, opt, flashmsa::TensorView(), gputest::dview(o, DType::bf16, {T, s.H, s.D}),
                         gputest::dview(lse, DType::fp32, {s.H, T}), gputest::dview(kl_f, DType::fp32, {1}));
-  flashmsa::Gradients gg;
-  gg.dq = gputest::dview(dq, DType::bf16, {T, s.H, s.D});
-  gg.dk = gputest::dview(dk, DType::bf16, {T, s.Hkv, s.D});
-  gg.dv = gputest::dview(dv, DType::bf16, {T, s.Hkv, s.D});
-  gg.dqp = gputest::dview(dqp, DType::bf16, {T, s.Hp, s.D});
-  gg.dkp = gputest::dview(dkp, DType::bf16, {T, s.Hpk, s.D});
+  const flashmsa::Gradients gg =
+      gputest::grad_views(dq.get(), dk.get(), dv.get(), dqp.get(), dkp.get(), s, T, flashmsa::Device::cuda);
   flashmsa::msa_backward(in, flashmsa::TensorView(), gputest::dview(o, DType::bf16, {T, s.H, s.D}),
                          gputest::dview(lse, DType::fp32, {s.H, T}), gputest::dview(dO, DType::bf16, {T, s.H, s.D}),
                          gputest::dview(g, DType::fp32, {1}), opt, gg, gputest::dview(kl_b, DType::fp32, {1}));
@@ -98,15 +90,7 @@ void check_warmup(const Shape& s, uint64_t seed) {
 }
 
 Shape shape(int H, int Hkv, int Hp, int Hpk, int D, std::vector<int> lengths) {
-  Shape s;
-  s.H = H;
-  s.Hkv = Hkv;
-  s.Hp = Hp;
-  s.Hpk = Hpk;
-  s.D = D;
-  s.K = 16;  // ignored by the warm-up mode
-  s.lengths = std::move(lengths);
-  return s;
+  return gputest::shape(H, Hkv, Hp, Hpk, D, /*K, ignored by the warm-up mode=*/16, std::move(lengths));
 }
 
 TEST(CudaWarmup, GqaD64TwoSequences) {
