@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <string>
@@ -98,6 +100,11 @@ class BadInput : public ::testing::Test {
 
   void call(Op op) {
     flashmsa::Options opt = opt_;
+    // keep_mode_: the msa_* entries get opt_.mode as it is (to test a bad mode) instead of the
+    // mode their Op names.
+    const auto set_mode = [&](Mode m) {
+      if (!keep_mode_) opt.mode = m;
+    };
     switch (op) {
       case Op::select: flashmsa::select_blocks(in_, opt, idx_v_); break;
       case Op::sparse_fwd: flashmsa::sparse_attention_forward(in_, idx_v_, opt, o_v_, lse_v_, kl_v_); break;
@@ -109,19 +116,19 @@ class BadInput : public ::testing::Test {
         flashmsa::dense_warmup_backward(in_, o_v_, lse_v_, d_o_v_, kl_grad_v_, opt, grads_, kl_b_v_);
         break;
       case Op::msa_fwd:
-        opt.mode = Mode::sparse;
+        set_mode(Mode::sparse);
         flashmsa::msa_forward(in_, opt, idx_v_, o_v_, lse_v_, kl_v_);
         break;
       case Op::msa_bwd:
-        opt.mode = Mode::sparse;
+        set_mode(Mode::sparse);
         flashmsa::msa_backward(in_, idx_v_, o_v_, lse_v_, d_o_v_, kl_grad_v_, opt, grads_, kl_b_v_);
         break;
       case Op::msa_fwd_warm:
-        opt.mode = Mode::warmup;
+        set_mode(Mode::warmup);
         flashmsa::msa_forward(in_, opt, TensorView(), o_v_, lse_v_, kl_v_);
         break;
       case Op::msa_bwd_warm:
-        opt.mode = Mode::warmup;
+        set_mode(Mode::warmup);
         flashmsa::msa_backward(in_, TensorView(), o_v_, lse_v_, d_o_v_, kl_grad_v_, opt, grads_, kl_b_v_);
         break;
     }
@@ -165,6 +172,51 @@ class BadInput : public ::testing::Test {
     return flashmsa::make_view(cu_store_.data(), DType::int32, {static_cast<int64_t>(cu_store_.size())});
   }
 
+  // Every op of `ops` must reject the block_idx contents `bad` (an input to them) with a
+  // flashmsa::Error naming 'block_idx', and write nothing: the other outputs keep the
+  // sentinel and block_idx keeps `bad`.
+  void expect_index_rejected(const std::vector<Op>& ops, const std::vector<int32_t>& bad) {
+    ASSERT_EQ(static_cast<int64_t>(bad.size()), block_idx_.numel());
+    for (Op op : ops) {
+      SCOPED_TRACE(op_name(op));
+      for (HostTensor* t : outputs()) t->fill_bytes(kSentinel);
+      std::memcpy(block_idx_.data(), bad.data(), bad.size() * sizeof(int32_t));
+      try {
+        call(op);
+        ADD_FAILURE() << "no error raised";
+      } catch (const flashmsa::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("'block_idx'"), std::string::npos)
+            << "message does not name 'block_idx': " << e.what();
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "threw something other than flashmsa::Error: " << e.what();
+      }
+      EXPECT_EQ(block_idx_.to_ints(), bad) << "block_idx was modified";
+      const char* labels[] = {"o", "lse", "kl", "kl(backward)", "dq", "dk", "dv", "dqp", "dkp"};
+      int i = 0;
+      for (HostTensor* t : outputs()) {
+        if (t == &block_idx_) continue;
+        bool untouched = true;
+        for (unsigned char b : t->bytes()) untouched &= b == kSentinel;
+        EXPECT_TRUE(untouched) << "output '" << labels[i] << "' was written before the error";
+        ++i;
+      }
+    }
+  }
+
+  // The selector's block_idx for the current problem (a valid set of contents to mutate).
+  std::vector<int32_t> selected_rows() {
+    flashmsa::select_blocks(in_, opt_, idx_v_);
+    return block_idx_.to_ints();
+  }
+  // Replaces row (proxy head hp, token t) of `idx` by `row` (K entries).
+  std::vector<int32_t> with_row(std::vector<int32_t> idx, int hp, int64_t t, std::vector<int32_t> row) {
+    const int K = c_.opt.top_k;
+    EXPECT_EQ(static_cast<int>(row.size()), K);
+    std::copy(row.begin(), row.end(), idx.begin() + (hp * T_ + t) * K);
+    return idx;
+  }
+
+  bool keep_mode_ = false;
   msatest::Case c_;
   msatest::Problem pr_;
   int64_t T_ = 0;
@@ -506,6 +558,109 @@ TEST_F(BadInput, CudaDeviceWithoutCuda) {
   // The same with a host copy of cu_seqlens (skips the device-to-host validation copy).
   in_.cu_seqlens_host = pr_.cfg.cu_seqlens.data();
   expect_rejected(kAll, {"CUDA", "cuda"});
+}
+
+// ---- block_idx contents (sparse forward and backward read it; the CPU backend checks it) ----
+//
+// The fixture: BLK 8, K 2, sequences of 20 tokens (blocks 0..2, tokens 0..19) and 13 tokens
+// (blocks 0..1, tokens 20..32). A token at position pos of its sequence may name blocks
+// 0 .. pos/8 only.
+const std::vector<Op> kReadIndex = {Op::sparse_fwd, Op::fused_bwd, Op::msa_bwd};
+
+// The selector's own output is accepted (so each rejection below is caused by its one row).
+TEST_F(BadInput, BlockIdxValidContentsAccepted) {
+  const std::vector<int32_t> good = selected_rows();
+  for (int32_t x : good) ASSERT_GE(x, -1);
+  // A hand-made valid row too: fewer blocks than K, -1 padding last.
+  const std::vector<int32_t> padded = with_row(good, 1, 19, {2, -1});
+  for (const auto& idx : {good, padded}) {
+    for (Op op : kReadIndex) {
+      SCOPED_TRACE(op_name(op));
+      std::memcpy(block_idx_.data(), idx.data(), idx.size() * sizeof(int32_t));
+      EXPECT_NO_THROW(call(op));
+    }
+  }
+}
+
+// (a) A block after the token's own block: it exists in the sequence, but lies in the future.
+TEST_F(BadInput, BlockIdxFutureBlock) {
+  const std::vector<int32_t> good = selected_rows();
+  expect_index_rejected(kReadIndex, with_row(good, 0, 0, {0, 1}));    // seq 0, pos 0: own block 0
+  expect_index_rejected(kReadIndex, with_row(good, 1, 10, {1, 2}));   // seq 0, pos 10: own block 1
+  expect_index_rejected(kReadIndex, with_row(good, 0, 20, {0, 1}));   // seq 1, pos 0: own block 0
+  expect_index_rejected(kReadIndex, with_row(good, 1, 27, {1, -1}));  // seq 1, pos 7: own block 0
+}
+
+// (b) Below -1, or at/after the sequence's number of blocks.
+TEST_F(BadInput, BlockIdxOutOfRange) {
+  const std::vector<int32_t> good = selected_rows();
+  expect_index_rejected(kReadIndex, with_row(good, 0, 5, {0, -2}));
+  expect_index_rejected(kReadIndex, with_row(good, 1, 19, {-2, 2}));
+  expect_index_rejected(kReadIndex, with_row(good, 0, 12, {std::numeric_limits<int32_t>::min(), -1}));
+  expect_index_rejected(kReadIndex, with_row(good, 0, 19, {2, 3}));  // seq 0 has 3 blocks
+  // Block 2 exists in sequence 0 but not in sequence 1 (2 blocks): indices are per sequence.
+  expect_index_rejected(kReadIndex, with_row(good, 1, 32, {1, 2}));
+  expect_index_rejected(kReadIndex, with_row(good, 1, 32, {0, std::numeric_limits<int32_t>::max()}));
+}
+
+// (c) Not strictly ascending: descending, or a duplicate.
+TEST_F(BadInput, BlockIdxNotAscending) {
+  const std::vector<int32_t> good = selected_rows();
+  expect_index_rejected(kReadIndex, with_row(good, 0, 19, {2, 1}));
+  expect_index_rejected(kReadIndex, with_row(good, 1, 31, {1, 0}));
+  expect_index_rejected(kReadIndex, with_row(good, 0, 19, {2, 2}));
+  expect_index_rejected(kReadIndex, with_row(good, 1, 0, {0, 0}));
+}
+
+// (d) -1 padding followed by a valid entry (padding must be trailing).
+TEST_F(BadInput, BlockIdxPaddingNotTrailing) {
+  {
+    const std::vector<int32_t> good = selected_rows();
+    expect_index_rejected(kReadIndex, with_row(good, 0, 19, {-1, 2}));
+    expect_index_rejected(kReadIndex, with_row(good, 1, 0, {-1, 0}));
+  }
+  // K = 3: -1 in the middle of a row.
+  msatest::Case c = c_;
+  c.opt.top_k = 3;
+  use_problem(c);
+  const std::vector<int32_t> good = selected_rows();
+  expect_index_rejected(kReadIndex, with_row(good, 1, 19, {1, -1, 2}));
+  expect_index_rejected(kReadIndex, with_row(good, 0, 30, {0, -1, 1}));  // seq 1, pos 10
+  expect_index_rejected(kReadIndex, with_row(good, 0, 19, {-1, -1, 2}));
+}
+
+// ---- Options::mode and malformed views ----
+
+// A mode that is neither sparse nor warmup is an error, with or without a block_idx.
+TEST_F(BadInput, InvalidMode) {
+  keep_mode_ = true;
+  opt_.mode = static_cast<Mode>(7);
+  // msa_fwd / msa_bwd pass block_idx, the _warm variants pass none.
+  expect_rejected({Op::msa_fwd, Op::msa_bwd, Op::msa_fwd_warm, Op::msa_bwd_warm}, "mode");
+  opt_.mode = static_cast<Mode>(-1);
+  expect_rejected({Op::msa_fwd, Op::msa_bwd, Op::msa_fwd_warm, Op::msa_bwd_warm}, "mode");
+}
+
+// ndim outside [0, 4] (TensorView holds 4 dims): an Error, never a read past shape[3].
+TEST_F(BadInput, NdimOutOfRange) {
+  for (int nd : {5, -1, 100}) {
+    SCOPED_TRACE("ndim " + std::to_string(nd));
+    SetUp();
+    in_.q.ndim = nd;
+    expect_rejected(kAll, "'q'");
+    SetUp();
+    in_.kp.ndim = nd;
+    expect_rejected(kAll, "'kp'");
+    SetUp();
+    o_v_.ndim = nd;
+    expect_rejected(kWithOutputs, "'o'");
+    SetUp();
+    idx_v_.ndim = nd;
+    expect_rejected(kWithIndex, "'block_idx'");
+    SetUp();
+    grads_.dv.ndim = nd;
+    expect_rejected(kBackward, "'dv'");
+  }
 }
 
 }  // namespace

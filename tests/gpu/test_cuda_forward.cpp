@@ -650,4 +650,54 @@ TEST(CudaForward, BadArgumentsWriteNothing) {
   for (unsigned char b : kl.download<unsigned char>()) ASSERT_EQ(b, gputest::kFloatPoison);
 }
 
+// D = 128 with Dv = 64 (a v narrower than q and k): the API accepts Dv != D, the CUDA kernels
+// do not, so msa_forward must raise an Error before selection writes block_idx. The v and o
+// buffers are twice what their views cover, so a kernel that wrongly ran with Dv = D would stay
+// inside them (no sticky CUDA error for later tests) and its writes would show in the bytes.
+TEST(CudaForward, HeadDimVNotEqualDWritesNothing) {
+  GPUTEST_REQUIRE_DEVICE();
+  Problem pr;
+  gputest::make_problem(pr, shape(4, 1, 1, 1, 128, 4, {300, 77}), 25);
+  const Shape& s = pr.s;
+  const int64_t T = pr.T;
+  const int Dv = 64;
+  std::mt19937_64 rng(26);
+  DeviceBuffer v64(static_cast<size_t>(T * s.Hkv * s.D) * 2);  // room for [T, Hkv, 128]
+  {
+    std::vector<uint16_t> h = gputest::random_bf16(static_cast<size_t>(T * s.Hkv * s.D), rng);
+    v64.upload(h);
+  }
+  DeviceBuffer sel(static_cast<size_t>(s.Hp * T * s.K) * 4);
+  DeviceBuffer o(static_cast<size_t>(T * s.H * s.D) * 2);  // room for [T, H, 128] bf16
+  DeviceBuffer lse(static_cast<size_t>(s.H * T) * 4), kl(4);
+  sel.fill(gputest::kIntPoisonByte);
+  o.fill(gputest::kFloatPoison);
+  lse.fill(gputest::kFloatPoison);
+  kl.fill(gputest::kFloatPoison);
+
+  flashmsa::AttentionInputs in = pr.device_inputs();
+  in.v = gputest::dview(v64, DType::bf16, {T, s.Hkv, Dv});
+  auto opt = pr.options();
+  opt.mode = flashmsa::Mode::sparse;
+  for (bool host_cu : {true, false}) {
+    SCOPED_TRACE(host_cu ? "with cu_seqlens_host" : "cu_seqlens on the device only");
+    if (!host_cu) in.cu_seqlens_host = nullptr;
+    try {
+      flashmsa::msa_forward(in, opt, gputest::dview(sel, DType::int32, {s.Hp, T, s.K}),
+                            gputest::dview(o, DType::bf16, {T, s.H, Dv}),
+                            gputest::dview(lse, DType::fp32, {s.H, T}), gputest::dview(kl, DType::fp32, {1}));
+      ADD_FAILURE() << "msa_forward with D = 128, Dv = 64 on CUDA did not throw";
+    } catch (const flashmsa::Error& e) {
+      const std::string msg = e.what();
+      EXPECT_TRUE(msg.find("Dv") != std::string::npos || msg.find("'v'") != std::string::npos)
+          << "message names neither Dv nor 'v': " << msg;
+    }
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (unsigned char b : sel.download<unsigned char>()) ASSERT_EQ(b, gputest::kIntPoisonByte) << "block_idx written";
+    for (unsigned char b : o.download<unsigned char>()) ASSERT_EQ(b, gputest::kFloatPoison) << "o written";
+    for (unsigned char b : lse.download<unsigned char>()) ASSERT_EQ(b, gputest::kFloatPoison) << "lse written";
+    for (unsigned char b : kl.download<unsigned char>()) ASSERT_EQ(b, gputest::kFloatPoison) << "kl written";
+  }
+}
+
 }  // namespace
