@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds, on this (GPU-less) machine, everything scripts/gpu_check.sh runs on the H200, for sm_90a,
-# and copies the binaries into scratch-gpu/ (git-ignored via .git/info/exclude) to be carried.
+# and copies the binaries into scratch-gpu/ (git-ignored by .gitignore's scratch*/) to be carried.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD_DIR:-build-gpu}

@@ -19,7 +19,7 @@ trap pack EXIT
 STAGES=${*:-tests sanitizer main python scale bench}
 status=0
 has() { [[ " $STAGES " == *" $1 "* ]]; }
-run_stage() {  # name, command...: logs to $OUT/<name>.log, remembers failures
+run_stage() {  # name, command...: logs to $LOGS/<name>.log, remembers failures
   local name=$1; shift
   echo "=== $name: $*"
   "$@" > "$LOGS/$name.log" 2>&1

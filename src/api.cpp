@@ -21,16 +21,22 @@ const char* dtype_name(DType dtype) {
 
 int64_t dtype_size(DType dtype) { return dtype == DType::bf16 || dtype == DType::fp16 ? 2 : 4; }
 
+namespace {
+// A view's usable rank: ndim outside [0, 4] is rejected by validation, and never indexes past
+// shape[4] / stride[4] on the way there.
+int rank(const TensorView& t) { return t.ndim < 0 ? 0 : (t.ndim > 4 ? 4 : t.ndim); }
+}  // namespace
+
 int64_t TensorView::numel() const {
   int64_t n = 1;
-  for (int i = 0; i < ndim; ++i) n *= shape[i];
+  for (int i = 0; i < rank(*this); ++i) n *= shape[i];
   return n;
 }
 
 bool TensorView::is_contiguous() const {
   if (numel() == 0) return true;  // no element to lay out: any strides describe it
   int64_t expected = 1;
-  for (int i = ndim - 1; i >= 0; --i) {
+  for (int i = rank(*this) - 1; i >= 0; --i) {
     if (shape[i] != 1 && stride[i] != expected) return false;
     expected *= shape[i];
   }
@@ -62,6 +68,7 @@ namespace {
 
 std::string shape_str(const TensorView& t) {
   std::ostringstream s;
+  if (t.ndim != rank(t)) return "(ndim " + std::to_string(t.ndim) + ")";
   s << "[";
   for (int i = 0; i < t.ndim; ++i) s << (i ? ", " : "") << t.shape[i];
   s << "]";
@@ -72,6 +79,9 @@ std::string shape_str(const TensorView& t) {
 void check_tensor(const char* name, const TensorView& t, std::initializer_list<int64_t> shape,
                   DType dtype, Device device, int device_index) {
   if (!t.defined()) fail(std::string("argument '") + name + "' is missing");
+  if (t.ndim != rank(t))
+    fail(std::string("argument '") + name + "' has ndim " + std::to_string(t.ndim) +
+         "; views have 0 to 4 dimensions");
   std::vector<int64_t> want(shape);
   bool shape_ok = t.ndim == static_cast<int>(want.size());
   for (int i = 0; shape_ok && i < t.ndim; ++i) shape_ok = t.shape[i] == want[i];
@@ -153,6 +163,8 @@ MsaParams validate_inputs(const AttentionInputs& in, const Options& opt) {
     fail("options 'scale' and 'proxy_scale' must be finite");
   if (!std::isfinite(opt.kl_coeff)) fail("option 'kl_coeff' must be finite");
   if (opt.num_threads < 0) fail("option 'num_threads' must be >= 0");
+  if (opt.mode != Mode::sparse && opt.mode != Mode::warmup)
+    fail("option 'mode' must be Mode::sparse or Mode::warmup");
 
   p.block_size = opt.block_size;
   p.top_k = opt.top_k;
@@ -175,7 +187,8 @@ MsaParams validate_inputs(const AttentionInputs& in, const Options& opt) {
 
 // Validates cu_seqlens values (on the host) and sets max_seqlen. The host copy is kept alive
 // by `storage` when it had to be made here.
-void validate_cu_seqlens(const AttentionInputs& in, MsaParams& p, std::vector<int32_t>& storage) {
+void validate_cu_seqlens(const AttentionInputs& in, MsaParams& p, std::vector<int32_t>& storage,
+                         Stream stream) {
   const int32_t* host = nullptr;
   if (in.q.device == Device::cpu) {
     host = p.cu_seqlens;
@@ -183,7 +196,8 @@ void validate_cu_seqlens(const AttentionInputs& in, MsaParams& p, std::vector<in
     host = in.cu_seqlens_host;
   } else {
     storage.resize(p.B + 1);
-    cuda::copy_to_host(storage.data(), p.cu_seqlens, (p.B + 1) * sizeof(int32_t), p.device_index);
+    cuda::copy_to_host(storage.data(), p.cu_seqlens, (p.B + 1) * sizeof(int32_t), p.device_index,
+                       stream);
     host = storage.data();
   }
   if (host[0] != 0) fail("argument 'cu_seqlens' must start at 0");
@@ -197,10 +211,7 @@ void validate_cu_seqlens(const AttentionInputs& in, MsaParams& p, std::vector<in
   p.max_seqlen = max_len;
 }
 
-bool on_cuda(const MsaParams& p, const AttentionInputs& in) {
-  (void)p;
-  return in.q.device == Device::cuda;
-}
+bool on_cuda(const AttentionInputs& in) { return in.q.device == Device::cuda; }
 
 void check_block_idx(const TensorView& block_idx, const MsaParams& p, const AttentionInputs& in) {
   check_tensor("block_idx", block_idx, {p.Hp, p.T, p.top_k}, DType::int32, in.q.device,
@@ -251,9 +262,9 @@ void select_blocks(const AttentionInputs& in, const Options& opt, TensorView blo
   MsaParams p = validate_inputs(in, opt);
   check_block_idx(block_idx, p, in);
   std::vector<int32_t> cu_host;
-  validate_cu_seqlens(in, p, cu_host);
+  validate_cu_seqlens(in, p, cu_host, stream);
   p.block_idx = static_cast<int32_t*>(block_idx.data);
-  if (on_cuda(p, in)) cuda::select_blocks(p, stream);
+  if (on_cuda(in)) cuda::select_blocks(p, stream);
   else cpu::select_blocks(p);
 }
 
@@ -264,9 +275,9 @@ void sparse_attention_forward(const AttentionInputs& in, const TensorView& block
   check_block_idx(block_idx, p, in);
   check_forward_outputs(o, lse, kl, p, in);
   std::vector<int32_t> cu_host;
-  validate_cu_seqlens(in, p, cu_host);
+  validate_cu_seqlens(in, p, cu_host, stream);
   p.block_idx = static_cast<int32_t*>(block_idx.data);
-  if (on_cuda(p, in)) cuda::sparse_attention_forward(p, stream);
+  if (on_cuda(in)) cuda::sparse_attention_forward(p, stream);
   else cpu::sparse_attention_forward(p);
 }
 
@@ -277,9 +288,9 @@ void fused_backward(const AttentionInputs& in, const TensorView& block_idx, cons
   check_block_idx(block_idx, p, in);
   check_backward_args(o, lse, d_o, kl_grad, grads, kl, p, in);
   std::vector<int32_t> cu_host;
-  validate_cu_seqlens(in, p, cu_host);
+  validate_cu_seqlens(in, p, cu_host, stream);
   p.block_idx = static_cast<int32_t*>(block_idx.data);
-  if (on_cuda(p, in)) cuda::fused_backward(p, stream);
+  if (on_cuda(in)) cuda::fused_backward(p, stream);
   else cpu::fused_backward(p);
 }
 
@@ -288,8 +299,8 @@ void dense_warmup_forward(const AttentionInputs& in, const Options& opt, TensorV
   MsaParams p = validate_inputs(in, opt);
   check_forward_outputs(o, lse, kl, p, in);
   std::vector<int32_t> cu_host;
-  validate_cu_seqlens(in, p, cu_host);
-  if (on_cuda(p, in)) cuda::dense_warmup_forward(p, stream);
+  validate_cu_seqlens(in, p, cu_host, stream);
+  if (on_cuda(in)) cuda::dense_warmup_forward(p, stream);
   else cpu::dense_warmup_forward(p);
 }
 
@@ -299,8 +310,8 @@ void dense_warmup_backward(const AttentionInputs& in, const TensorView& o, const
   MsaParams p = validate_inputs(in, opt);
   check_backward_args(o, lse, d_o, kl_grad, grads, kl, p, in);
   std::vector<int32_t> cu_host;
-  validate_cu_seqlens(in, p, cu_host);
-  if (on_cuda(p, in)) cuda::dense_warmup_backward(p, stream);
+  validate_cu_seqlens(in, p, cu_host, stream);
+  if (on_cuda(in)) cuda::dense_warmup_backward(p, stream);
   else cpu::dense_warmup_backward(p);
 }
 
@@ -310,12 +321,18 @@ void msa_forward(const AttentionInputs& in, const Options& opt, TensorView block
     dense_warmup_forward(in, opt, o, lse, kl, stream);
     return;
   }
-  // Validate the forward's arguments before selection writes block_idx.
+  // Validate everything the forward will check before selection writes block_idx, and copy
+  // cu_seqlens to the host at most once for both calls.
   MsaParams p = validate_inputs(in, opt);
   check_block_idx(block_idx, p, in);
   check_forward_outputs(o, lse, kl, p, in);
-  select_blocks(in, opt, block_idx, stream);
-  sparse_attention_forward(in, block_idx, opt, o, lse, kl, stream);
+  std::vector<int32_t> cu_host;
+  validate_cu_seqlens(in, p, cu_host, stream);
+  if (on_cuda(in)) cuda::check_supported(p, "sparse_attention_forward");
+  AttentionInputs with_host = in;
+  with_host.cu_seqlens_host = p.cu_seqlens_host;
+  select_blocks(with_host, opt, block_idx, stream);
+  sparse_attention_forward(with_host, block_idx, opt, o, lse, kl, stream);
 }
 
 void msa_backward(const AttentionInputs& in, const TensorView& block_idx, const TensorView& o,

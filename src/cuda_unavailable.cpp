@@ -18,7 +18,8 @@ void fused_backward(const MsaParams&, void*) { unavailable(); }
 void dense_warmup_forward(const MsaParams&, void*) { unavailable(); }
 void dense_warmup_backward(const MsaParams&, void*) { unavailable(); }
 bool device_available() { return false; }
-void copy_to_host(void*, const void*, int64_t, int) { unavailable(); }
+void copy_to_host(void*, const void*, int64_t, int, void*) { unavailable(); }
+void check_supported(const MsaParams&, const char*) { unavailable(); }
 }  // namespace cuda
 
 }  // namespace flashmsa

@@ -52,7 +52,6 @@ struct MsaParams {
 
   // Head maps of msa.md.
   int kv_head(int h) const { return h / (H / Hkv); }
-  int proxy_head(int h) const { return h / (H / Hp); }
   int proxy_key_head(int p) const { return p / (Hp / Hpk); }
   int group_size() const { return H / Hp; }  // m
 };
@@ -74,8 +73,11 @@ void fused_backward(const MsaParams& p, void* stream);
 void dense_warmup_forward(const MsaParams& p, void* stream);
 void dense_warmup_backward(const MsaParams& p, void* stream);
 bool device_available();
-// Synchronous device-to-host copy on the given device (used to validate cu_seqlens).
-void copy_to_host(void* dst, const void* src, int64_t bytes, int device_index);
+// Device-to-host copy ordered on `stream`, then a wait for it (used to validate cu_seqlens).
+void copy_to_host(void* dst, const void* src, int64_t bytes, int device_index, void* stream);
+// Throws Error naming the argument if the CUDA kernels cannot take this problem (dtype, head
+// dims, block size, sizes). Called before any launch, and by msa_forward before selection.
+void check_supported(const MsaParams& p, const char* operation);
 }  // namespace cuda
 
 }  // namespace flashmsa

@@ -97,7 +97,10 @@ void select_blocks(const AttentionInputs& in, const Options& opt, TensorView blo
                    Stream stream = nullptr);
 
 // Block-sparse main attention over precomputed block indices (msa.md step 5), and, when `kl`
-// is given (a [1] fp32 view), the distillation loss kl_loss of step 6.
+// is given (a [1] fp32 view), the distillation loss kl_loss of step 6. block_idx must have
+// select_blocks' format (rows ascending, entries in [0, own block], -1 padding last). The CPU
+// backend checks its contents and raises Error naming 'block_idx'; the CUDA backend does not
+// read it back to the host (that would synchronise) and skips out-of-range entries.
 //   o [T, H, Dv] input dtype, lse [H, T] fp32 (natural log), kl [1] fp32 (optional).
 void sparse_attention_forward(const AttentionInputs& in, const TensorView& block_idx,
                               const Options& opt, TensorView o, TensorView lse,

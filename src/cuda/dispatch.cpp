@@ -70,9 +70,13 @@ bool device_available() {
   return major == 9;
 }
 
-void copy_to_host(void* dst, const void* src, int64_t bytes, int device_index) {
+void copy_to_host(void* dst, const void* src, int64_t bytes, int device_index, void* stream) {
+  // On the caller's stream: cu_seqlens may have just been written there (a non-blocking stream
+  // would not be ordered with a legacy-default-stream cudaMemcpy).
   DeviceGuard guard(device_index);
-  FLASHMSA_CUDA_CHECK(cudaMemcpy(dst, src, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost));
+  FLASHMSA_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost,
+                                      as_stream(stream)));
+  FLASHMSA_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
 }
 
 }  // namespace cuda

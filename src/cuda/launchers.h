@@ -1,7 +1,7 @@
 // Internal: the kernel launchers behind the CUDA backend. Each is defined in its own .cu file
 // under sm90/ so compiles stay parallel and small. All are asynchronous on `stream`, check
 // their launches, and raise flashmsa::Error for shapes or dtypes they do not support before
-// launching anything.
+// launching anything. cuda::check_supported (params.h, support.cpp) runs before each of them.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,10 +9,6 @@
 #include "params.h"
 
 namespace flashmsa::cuda {
-
-// Throws Error naming the argument if the CUDA kernels cannot take this problem
-// (dtype, head dims, block size). Called before any launch of every entry point.
-void check_supported(const MsaParams& p, const char* operation);
 
 void launch_select_blocks(const MsaParams& p, cudaStream_t stream);              // sm90/select_blocks.cu
 void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream);   // sm90/sparse_forward.cu

@@ -725,8 +725,9 @@ void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
   // Path choice, read on every call (so a benchmark can flip it between runs):
   // FLASHMSA_FORWARD_PATH=query forces this kernel, =kv the KV-major one (forward_kv.cu) where it
   // applies; unset: KV-major where it applies and the group is smaller than 16 heads.
-  // m = 16 (m3, H200, with KL): KV-major 16.6 / 29.1 / 55.1 ms vs this kernel 12.9 / 27.0 / 58.8
-  // at 16k / 32k / 64k, so this kernel stays the default there.
+  // m = 16 (m3, H200, with KL): KV-major 16.6 / 29.1 ms vs this kernel 12.9 / 27.0 ms at 16k / 32k,
+  // and 55.6 vs 55.1 ms at 64k (bench/results/h200_7007bf4_forward_paths.log), so this kernel stays
+  // the default there.
   // m < 16: this kernel fills only m of its 16 MMA rows and streams a token's 16 blocks (1 MB) per
   // (token, group) whatever m is; KV-major keeps 16 real rows per warp (16/m tokens) and reads each
   // block once per CTA round. Measured (H200, commit 7007bf4, forward with KL): fm16k (m=4) S=16k
