@@ -68,8 +68,6 @@ void launch_dense_warmup_forward(const MsaParams& p, cudaStream_t stream) {
 }
 
 void launch_dense_warmup_backward(const MsaParams& p, cudaStream_t stream) {
-  if (p.D != p.Dv || p.D != p.Dp)
-    throw Error("flashmsa: dense_warmup_backward: the CUDA backend needs D == Dv == Dp (arguments 'v', 'qp')");
   if (p.T == 0) {
     if (p.kl) FLASHMSA_CUDA_CHECK(cudaMemsetAsync(p.kl, 0, sizeof(float), stream));
     return;

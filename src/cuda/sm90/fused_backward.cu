@@ -226,8 +226,6 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
 
 void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // ---- everything that can fail on arguments, before any launch ----
-  if (p.D != p.Dv || p.D != p.Dp)
-    throw Error("flashmsa: fused_backward: the CUDA backend needs D == Dv == Dp (arguments 'v', 'qp')");
   if (p.T * static_cast<int64_t>(p.top_k) * p.Hp >= INT32_MAX)
     throw Error("flashmsa: fused_backward: argument 'block_idx' has Hp*T*K >= 2^31 entries");
   if (p.T == 0) {

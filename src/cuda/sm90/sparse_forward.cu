@@ -719,9 +719,6 @@ void launch_forward(const FwdArgs& a, const HeadItems& items, bool with_kl, cuda
 }  // namespace
 
 void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
-  if (p.D != p.Dv || p.D != p.Dp)
-    throw Error("flashmsa: sparse_attention_forward: arguments 'q', 'v', 'qp' must have equal "
-                "head dims (D = Dv = Dp) on CUDA");
   // Path choice, read on every call (so a benchmark can flip it between runs):
   // FLASHMSA_FORWARD_PATH=query forces this kernel, =kv the KV-major one (forward_kv.cu) where it
   // applies; unset: KV-major where it applies and the group is smaller than 16 heads.
