@@ -1,12 +1,12 @@
-// Block selection (msa.md forward steps 1-4) on tensor cores.
+// Block selection (msa.md forward steps 1-4) on Hopper tensor cores (wgmma + TMA).
 //
 // One CTA = one 128-token block of one sequence (tiles aligned to sequence starts) for one proxy
-// head: 8 warps x 16 query rows. Inside a tile every query has the same own block n_loc, so the
-// forced blocks (n_loc-L+1 .. n_loc, which include the only causally partial block) are the same
-// for all rows and are never scored: only the fully visible blocks 0 .. n_loc-L are streamed.
-// Per streamed key block the warp computes its 16 x 128 proxy scores with mma.sync, takes the
-// row max (the block max-pool), and pushes it into a per-row top-K list kept in registers. The
-// T x T score matrix is never stored.
+// head. Inside a tile every query has the same own block n_loc, so the forced blocks
+// (n_loc-L+1 .. n_loc, which include the only causally partial block) are the same for all rows
+// and are never scored: only the fully visible blocks 0 .. n_loc-L are streamed, and no causal
+// mask is needed. Per streamed key block the 128 x 128 proxy scores are reduced to their row max
+// (the block max-pool) and pushed into a per-row top-K list kept in registers. The T x T score
+// matrix is never stored.
 #include <climits>
 #include <cstdint>
 
@@ -14,13 +14,14 @@
 #include "common/check.cuh"
 #include "common/metadata.cuh"
 #include "common/mma.cuh"
+#include "common/tma.cuh"
+#include "common/wgmma.cuh"
 #include "launchers.h"
 
 namespace flashmsa::cuda {
 namespace {
 
 constexpr int kBlk = 128;        // BLK: keys per block and query rows per CTA
-constexpr int kSelWarps = kBlk / 16;
 
 // Descending top-K insertion with compile-time indices (stays in registers). A strict '>'
 // keeps the earlier (lower-indexed, since blocks arrive in ascending order) of equal scores.
@@ -38,19 +39,42 @@ __device__ __forceinline__ void topk_insert(float (&vals)[KMAX], int (&idx)[KMAX
   }
 }
 
+// One CTA = one 128-token tile of one proxy head, warp-specialised: warpgroup 0 (one thread)
+// streams the query tile and key blocks with TMA into a ring of kStages buffers; warpgroups 1
+// and 2 each own 64 query rows and, per key block, compute their 64 x 128 proxy scores with
+// wgmma (both operands from shared memory, so a key block is read once per warpgroup, not once
+// per warp as with mma.sync), take the row max and push it into the per-row top-K list. The two
+// consumer warpgroups run out of phase, so one's max/top-K work overlaps the other's MMA.
+template <int DP>
+struct SelectTiles {
+  static constexpr int kSlabBytes = kBlk * 128;           // 128 rows x 64 bf16
+  static constexpr int kTileBytes = kBlk * DP * 2;        // query tile or one key block
+  static constexpr int kStages = DP == 128 ? 4 : 8;
+  static constexpr int kThreads = 384;
+  static constexpr int kConsumerThreads = 256;
+  static constexpr size_t kSmem = 1024 + (1 + kStages) * kTileBytes + (1 + 2 * kStages) * 8;
+};
+
 template <int DP, int KMAX>
-__global__ void __launch_bounds__(kSelWarps * 32, KMAX > 16 ? 1 : 2)
-    select_blocks_kernel(const __nv_bfloat16* __restrict__ qp,  // [T, Hp, DP]
-                         const __nv_bfloat16* __restrict__ kp,  // [T, Hpk, DP]
-                         const int32_t* __restrict__ cu,        // [B+1]
-                         const int32_t* __restrict__ tile_off,  // [B+1] block tiles per sequence
+__global__ void __launch_bounds__(SelectTiles<DP>::kThreads, 1)
+    select_blocks_kernel(const __grid_constant__ CUtensorMap qp_map,  // qp [T, Hp, DP]
+                         const __grid_constant__ CUtensorMap kp_map,  // kp [T, Hpk, DP]
+                         const int32_t* __restrict__ cu,              // [B+1]
+                         const int32_t* __restrict__ tile_off,        // [B+1] tiles per sequence
                          int64_t T, int B, int Hp, int Hpk, int K, int L, int tile_bound,
-                         int32_t* __restrict__ block_idx) {     // [Hp, T, K]
-  constexpr int kRowBytes = DP * 2;
-  constexpr int kChunks = DP / 8;  // 16-byte chunks per row
-  extern __shared__ __align__(128) unsigned char smem[];
-  unsigned char* q_s = smem;                       // [128][DP] swizzled
-  unsigned char* k_s = smem + kBlk * kRowBytes;    // [2][128][DP] swizzled
+                         int32_t* __restrict__ block_idx) {           // [Hp, T, K]
+  using Tiles = SelectTiles<DP>;
+  constexpr int kStages = Tiles::kStages;
+  extern __shared__ unsigned char smem_raw[];
+  // TMA's 128-byte swizzle and the wgmma descriptors need 1024-byte aligned tiles.
+  unsigned char* smem = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
+  unsigned char* q_s = smem;                          // [DP/64][128][128 B]
+  unsigned char* k_s = smem + Tiles::kTileBytes;      // [kStages][DP/64][128][128 B]
+  uint64_t* bars = reinterpret_cast<uint64_t*>(k_s + kStages * Tiles::kTileBytes);
+  uint64_t* q_full = bars;                            // [1]
+  uint64_t* k_full = bars + 1;                        // [kStages]
+  uint64_t* k_empty = bars + 1 + kStages;             // [kStages]
 
   // Heavy (late) tiles first: the grid is walked backwards.
   const int tile = tile_bound - 1 - static_cast<int>(blockIdx.x);
@@ -58,12 +82,12 @@ __global__ void __launch_bounds__(kSelWarps * 32, KMAX > 16 ? 1 : 2)
   const int p = blockIdx.y;
   const int pk = p / (Hp / Hpk);
   const int b = find_tile_sequence(tile_off, B, tile);
-  const int64_t s0 = __ldg(cu + b);
-  const int len = __ldg(cu + b + 1) - static_cast<int>(s0);
+  const int s0 = __ldg(cu + b);
+  const int len = __ldg(cu + b + 1) - s0;
   const int n_loc = tile - __ldg(tile_off + b);
   const int row0 = n_loc * kBlk;
   const int rows = min(kBlk, len - row0);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x, lane = tid & 31;
 
   if (n_loc + 1 <= K) {
     // Every visible block is selected: 0..n_loc then -1 padding.
@@ -75,25 +99,41 @@ __global__ void __launch_bounds__(kSelWarps * 32, KMAX > 16 ? 1 : 2)
   }
   const int n_scored = n_loc - L + 1;  // >= 1 here because K >= L
 
-  // Q tile (rows past the sequence end are zero) and the first key block.
-  for (int c = tid; c < kBlk * kChunks; c += blockDim.x) {
-    const int r = c / kChunks, ch = c % kChunks;
-    const bool ok = r < rows;
-    const __nv_bfloat16* src = qp + ((s0 + row0 + (ok ? r : 0)) * Hp + p) * DP + ch * 8;
-    cp_async_16(smem_u32(q_s + swizzle_offset<kRowBytes>(r, ch)), src, ok);
-  }
-  auto load_keys = [&](int n, int buf) {
-    unsigned char* dst = k_s + buf * kBlk * kRowBytes;
-    for (int c = tid; c < kBlk * kChunks; c += blockDim.x) {
-      const int r = c / kChunks, ch = c % kChunks;
-      const __nv_bfloat16* src = kp + ((s0 + n * kBlk + r) * Hpk + pk) * DP + ch * 8;
-      cp_async_16(smem_u32(dst + swizzle_offset<kRowBytes>(r, ch)), src, true);
+  if (tid == 0) {
+    ::cuda::ptx::mbarrier_init(q_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      ::cuda::ptx::mbarrier_init(k_full + s, 1);
+      ::cuda::ptx::mbarrier_init(k_empty + s, Tiles::kConsumerThreads);
     }
-  };
-  load_keys(0, 0);
-  cp_async_commit();
+    ::cuda::ptx::fence_mbarrier_init(::cuda::ptx::sem_release, ::cuda::ptx::scope_cluster);
+  }
+  __syncthreads();
 
-  uint32_t qf[DP / 16][4];
+  const int wg = tid / 128;
+  if (wg == 0) {
+    // Producer. Rows of the query tile past the sequence end are loaded (the next sequence or
+    // TMA's zero fill past T) but never written out.
+    if (tid == 0) {
+      ::cuda::ptx::mbarrier_arrive_expect_tx(::cuda::ptx::sem_release, ::cuda::ptx::scope_cta,
+                                             ::cuda::ptx::space_shared, q_full, Tiles::kTileBytes);
+      for (int slab = 0; slab < DP / 64; ++slab)
+        tma_load_3d(q_s + slab * Tiles::kSlabBytes, &qp_map, slab * 64, p, s0 + row0, q_full);
+      for (int n = 0; n < n_scored; ++n) {
+        const int s = n % kStages;
+        if (n >= kStages) mbarrier_wait(k_empty + s, ((n / kStages) - 1) & 1);
+        ::cuda::ptx::mbarrier_arrive_expect_tx(::cuda::ptx::sem_release, ::cuda::ptx::scope_cta,
+                                               ::cuda::ptx::space_shared, k_full + s,
+                                               Tiles::kTileBytes);
+        unsigned char* dst = k_s + s * Tiles::kTileBytes;
+        for (int slab = 0; slab < DP / 64; ++slab)
+          tma_load_3d(dst + slab * Tiles::kSlabBytes, &kp_map, slab * 64, pk, s0 + n * kBlk,
+                      k_full + s);
+      }
+    }
+    return;
+  }
+
+  const int half = wg - 1;  // this warpgroup's 64 query rows
   float vals[KMAX];
   int idx[KMAX];
 #pragma unroll
@@ -101,55 +141,46 @@ __global__ void __launch_bounds__(kSelWarps * 32, KMAX > 16 ? 1 : 2)
     vals[i] = -INFINITY;
     idx[i] = -1;
   }
+  const uint32_t q_base = smem_u32(q_s) + half * 64 * 128;
+  const uint32_t k_base = smem_u32(k_s);
+  mbarrier_wait(q_full, 0);
 
+  float acc[64];
   for (int n = 0; n < n_scored; ++n) {
-    if (n + 1 < n_scored) {
-      load_keys(n + 1, (n + 1) & 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    if (n == 0) {
-#pragma unroll
-      for (int ks = 0; ks < DP / 16; ++ks)
-        ldmatrix_x4(qf[ks], smem_u32(q_s + swizzle_offset<kRowBytes>(warp * 16 + (lane & 15),
-                                                                     ks * 2 + (lane >> 4))));
-    }
-    const unsigned char* kb = k_s + (n & 1) * kBlk * kRowBytes;
-    float s[kBlk / 8][4];
-#pragma unroll
-    for (int j = 0; j < kBlk / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    const int s = n % kStages;
+    mbarrier_wait(k_full + s, (n / kStages) & 1);
+    wgmma_fence_operands(acc);
+    wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < DP / 16; ++ks) {
-#pragma unroll
-      for (int np = 0; np < kBlk / 16; ++np) {
-        uint32_t bf[4];
-        ldmatrix_x4(bf, smem_u32(kb + swizzle_offset<kRowBytes>(
-                                          np * 16 + (lane & 7) + ((lane >> 4) << 3),
-                                          ks * 2 + ((lane >> 3) & 1))));
-        mma_bf16_16816(s[2 * np], qf[ks], bf[0], bf[1]);
-        mma_bf16_16816(s[2 * np + 1], qf[ks], bf[2], bf[3]);
-      }
+      const uint32_t slab_off = (ks / 4) * Tiles::kSlabBytes + (ks % 4) * 32;
+      wgmma_m64n128k16_bf16(acc, wgmma_desc_sw128(q_base + slab_off),
+                            wgmma_desc_sw128(k_base + s * Tiles::kTileBytes + slab_off), ks > 0);
     }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(acc);
+    ::cuda::ptx::mbarrier_arrive(k_empty + s);
+
     float lo = -INFINITY, hi = -INFINITY;
 #pragma unroll
-    for (int j = 0; j < kBlk / 8; ++j) {
-      lo = fmaxf(lo, fmaxf(s[j][0], s[j][1]));
-      hi = fmaxf(hi, fmaxf(s[j][2], s[j][3]));
+    for (int j = 0; j < 16; ++j) {
+      lo = fmaxf(lo, fmaxf(acc[4 * j], acc[4 * j + 1]));
+      hi = fmaxf(hi, fmaxf(acc[4 * j + 2], acc[4 * j + 3]));
     }
     lo = fmaxf(lo, __shfl_xor_sync(0xffffffffu, lo, 1));
     lo = fmaxf(lo, __shfl_xor_sync(0xffffffffu, lo, 2));
     hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, 1));
     hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, 2));
-    // Lane 4g+0 keeps row g, lane 4g+1 row g+8 (lanes 4g+2, 4g+3 mirror them).
-    topk_insert<KMAX>(vals, idx, (lane & 1) ? hi : lo, n);
-    __syncthreads();  // the buffer just read is refilled by the next iteration's load
+    // Lane 4g+0 keeps row g, lane 4g+1 row g+8 (lanes 4g+2, 4g+3 mirror them). Most blocks
+    // lose to the current K-th best once the lists fill, so the insertion is mostly skipped.
+    const float v = (lane & 1) ? hi : lo;
+    if (__any_sync(0xffffffffu, v > vals[KMAX - 1])) topk_insert<KMAX>(vals, idx, v, n);
   }
   for (int n = max(0, n_loc - L + 1); n <= n_loc; ++n) topk_insert<KMAX>(vals, idx, INFINITY, n);
 
-  const int r = warp * 16 + (lane >> 2) + ((lane & 1) ? 8 : 0);
+  const int warp_in_wg = (tid / 32) % 4;
+  const int r = half * 64 + warp_in_wg * 16 + (lane >> 2) + ((lane & 1) ? 8 : 0);
   if ((lane & 2) == 0 && r < rows) {
     int32_t* dst = block_idx + (static_cast<int64_t>(p) * T + s0 + row0 + r) * K;
     // Ascending output: each of the first K entries goes to its rank by block index.
@@ -172,15 +203,16 @@ __global__ void __launch_bounds__(kSelWarps * 32, KMAX > 16 ? 1 : 2)
 template <int DP, int KMAX>
 void launch_select(const MsaParams& p, const int32_t* tile_off, int tile_bound,
                    cudaStream_t stream) {
-  const size_t smem = 3 * kBlk * DP * 2;
+  using Tiles = SelectTiles<DP>;
   auto kernel = select_blocks_kernel<DP, KMAX>;
-  FLASHMSA_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(Tiles::kSmem)));
+  const CUtensorMap qp_map = make_bf16_row_map(p.qp, p.T, p.Hp, DP, kBlk);
+  const CUtensorMap kp_map = make_bf16_row_map(p.kp, p.T, p.Hpk, DP, kBlk);
   dim3 grid(tile_bound, p.Hp);
-  kernel<<<grid, kSelWarps * 32, smem, stream>>>(
-      static_cast<const __nv_bfloat16*>(p.qp), static_cast<const __nv_bfloat16*>(p.kp),
-      p.cu_seqlens, tile_off, p.T, p.B, p.Hp, p.Hpk, p.top_k, p.local_blocks, tile_bound,
-      p.block_idx);
+  kernel<<<grid, Tiles::kThreads, Tiles::kSmem, stream>>>(
+      qp_map, kp_map, p.cu_seqlens, tile_off, p.T, p.B, p.Hp, p.Hpk, p.top_k, p.local_blocks,
+      tile_bound, p.block_idx);
   FLASHMSA_CHECK_LAUNCH();
 }
 
