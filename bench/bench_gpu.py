@@ -8,10 +8,14 @@ All in one process, on the same shapes and inputs (iid N(0,1) bf16, B=1):
     flashmsa made (union of each 128-query tile's blocks + a mask_mod reading the per-token
     selection), only at sizes where it finishes in reasonable time;
   * the ideal time = msa.md FLOPs / the bf16 matmul rate measured in this run.
+  * with --phases BIN (the flashmsa_run binary): the same shapes through the C++ API, phase by phase
+    (selection, sparse forward without KL, fused backward with the KL value), so every kernel gets
+    its own TFLOP/s and fraction of the ceiling measured here, next to the same peers.
 Times: CUDA events, median of >= 10 runs after warm-up. Writes JSON (commit, date, card, figures)
-and prints a short table last. bench/plot.py turns the JSON into PNG plots.
+and prints short tables last. bench/plot.py turns the JSON into PNG plots.
 
 Usage: python bench/bench_gpu.py --out bench/results/run.json [--configs m3,gqa8,fm16k] [--quick]
+                                 [--phases build/apps/flashmsa_run]
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -159,6 +164,19 @@ def sdpa_cudnn(q, k, v):
     return fwd, (qt, kt, vt)
 
 
+def cpp_phases(binary: str, cfg, S: int, iters: int) -> dict:
+    """Selection, forward and backward+KL timed separately through the C++ API (flashmsa_run)."""
+    H, Hkv, Hp, Hpk, D, K, BLK = cfg
+    with tempfile.NamedTemporaryFile(suffix=".json") as fh:
+        cmd = [binary, "--device", "cuda", "--seqlen", str(S), "--heads", str(H), "--kv-heads", str(Hkv),
+               "--proxy-heads", str(Hp), "--proxy-kv-heads", str(Hpk), "--dim", str(D), "--dim-v", str(D),
+               "--dim-p", str(D), "--topk", str(K), "--block", str(BLK), "--iters", str(iters),
+               "--check-tokens", "0", "--quiet", "--json", fh.name]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        with open(fh.name) as f:
+            return json.load(f)
+
+
 def fwd_bwd(fwd, leaves, d_o_like):
     def run():
         for x in leaves:
@@ -175,6 +193,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="smallest size of each config only")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--phases", default=None, help="flashmsa_run binary: also time each phase via the C++ API")
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -241,6 +260,28 @@ def main():
                 except Exception as e:  # report, keep going
                     run["flex_error"] = repr(e)[:300]
                     print(f"   Flex failed: {e!r}"[:300], flush=True)
+            if args.phases:
+                ph = cpp_phases(args.phases, cfg, S, args.iters)
+                c = {"select_ms": ph["ms_select"], "forward_ms": ph["ms_forward"], "backward_ms": ph["ms_backward"],
+                     "workspace_forward_bytes": ph["workspace_forward_bytes"],
+                     "workspace_backward_bytes": ph["workspace_backward_bytes"], "q_bytes": ph["q_bytes"]}
+                c["step_ms"] = c["select_ms"] + c["forward_ms"] + c["backward_ms"]
+                for phase, flop in (("select", ph["flop_select"]), ("forward", ph["flop_forward"]),
+                                    ("backward", ph["flop_backward"]),
+                                    ("step", ph["flop_select"] + ph["flop_forward"] + ph["flop_backward"])):
+                    c[f"{phase}_tflops"] = flop / (c[f"{phase}_ms"] * 1e-3) / 1e12
+                    c[f"{phase}_frac_ceiling"] = c[f"{phase}_tflops"] / ceiling
+                if "cudnn_fwd_ms" in run:
+                    c["forward_vs_cudnn_fwd"] = run["cudnn_fwd_ms"] / c["forward_ms"]
+                    c["step_vs_cudnn_fwdbwd"] = run["cudnn_fwdbwd_ms"] / c["step_ms"]
+                if "flex_fwd_ms" in run:
+                    c["select_forward_vs_flex_fwd"] = run["flex_fwd_ms"] / (c["select_ms"] + c["forward_ms"])
+                    c["step_vs_flex_fwdbwd"] = run["flex_fwdbwd_ms"] / c["step_ms"]
+                run["cpp_phases"] = c
+                print(f"   C++ API: select {c['select_ms']:.2f} ms ({100 * c['select_frac_ceiling']:.0f}%), forward "
+                      f"{c['forward_ms']:.2f} ({100 * c['forward_frac_ceiling']:.0f}%), backward+KL "
+                      f"{c['backward_ms']:.2f} ({100 * c['backward_frac_ceiling']:.0f}%), step {c['step_ms']:.2f} ms "
+                      f"({100 * c['step_frac_ceiling']:.0f}%)", flush=True)
             results["runs"].append(run)
             rows.append(run)
             del q, k, v, qp, kp, d_o, o, lse, idx
@@ -256,6 +297,21 @@ def main():
               f"{100 * r['flashmsa_step_frac_ceiling']:>5.0f}% {r['ideal_step_ms']:>7.2f} "
               f"{cd if cd else float('nan'):>10.1f} {cd / r['flashmsa_step_ms'] if cd else float('nan'):>6.1f} "
               f"{fx if fx else float('nan'):>9.1f} {fx / r['flashmsa_step_ms'] if fx else float('nan'):>6.1f}")
+    if args.phases:
+        nan = float("nan")
+        print(f"\nC++ API phases (% of ceiling); ratios vs peers: forward vs cuDNN fwd, select+forward vs Flex fwd, "
+              f"step vs cuDNN f+b and Flex f+b")
+        print(f"{'config':6} {'S':>7} {'select':>13} {'forward':>14} {'bwd+KL':>14} {'step':>14} "
+              f"{'fwd/cuDNN':>9} {'s+f/Flex':>8} {'cuDNN f+b':>9} {'Flex f+b':>8}")
+        for r in rows:
+            c = r.get("cpp_phases")
+            if not c:
+                continue
+            cell = lambda ph: f"{c[ph + '_ms']:8.2f} {100 * c[ph + '_frac_ceiling']:3.0f}%"
+            print(f"{r['config']:6} {r['S']:>7} {cell('select'):>13} {cell('forward'):>14} {cell('backward'):>14} "
+                  f"{cell('step'):>14} {c.get('forward_vs_cudnn_fwd', nan):>8.1f}x "
+                  f"{c.get('select_forward_vs_flex_fwd', nan):>7.1f}x {c.get('step_vs_cudnn_fwdbwd', nan):>8.1f}x "
+                  f"{c.get('step_vs_flex_fwdbwd', nan):>7.1f}x")
     print(f"ceiling {ceiling:.0f} TFLOP/s on {card}; JSON: {args.out}")
 
 

@@ -11,6 +11,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def value(run: dict, key: str):
+    """run[key], or run[a][b] for key 'a.b'; None when absent."""
+    for part in key.split("."):
+        if not isinstance(run, dict) or part not in run:
+            return None
+        run = run[part]
+    return run
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("json")
@@ -21,7 +30,8 @@ def main():
     configs = sorted({r["config"] for r in res["runs"]})
     fig, axes = plt.subplots(1, len(configs), figsize=(5.5 * len(configs), 4.2), squeeze=False)
     series = [
-        ("flashmsa_step_ms", "flashmsa step (select+fwd+bwd+KL)", "o-"),
+        ("flashmsa_step_ms", "flashmsa op step (select+fwd+KL, bwd)", "o-"),
+        ("cpp_phases.step_ms", "flashmsa C++ API step (select+fwd, bwd+KL)", "D-"),
         ("ideal_step_ms", "ideal (FLOPs / measured matmul rate)", "k:"),
         ("cudnn_fwdbwd_ms", "dense SDPA cuDNN fwd+bwd", "s--"),
         ("flex_fwdbwd_ms", "FlexAttention per-token fwd+bwd", "^--"),
@@ -29,7 +39,7 @@ def main():
     for ax, name in zip(axes[0], configs):
         runs = sorted((r for r in res["runs"] if r["config"] == name), key=lambda r: r["S"])
         for key, label, style in series:
-            pts = [(r["S"], r[key]) for r in runs if key in r]
+            pts = [(r["S"], value(r, key)) for r in runs if value(r, key) is not None]
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
         r0 = runs[0]

@@ -46,5 +46,6 @@ if has scale; then
   run_stage m3_16k_warmup "$BIN/flashmsa_run" --device cuda --seqlen 16384 --mode warmup --check-tokens 2 \
     --check-keys 0 --json "$LOGS/m3_16k_warmup.json"
 fi
-has bench && run_stage bench timeout "${BENCH_TIMEOUT:-300}" python3 bench/bench_gpu.py --out "$LOGS/bench.json" ${BENCH_ARGS:-}
+has bench && run_stage bench timeout "${BENCH_TIMEOUT:-420}" python3 bench/bench_gpu.py --out "$LOGS/bench.json" \
+  --phases "$BIN/flashmsa_run" ${BENCH_ARGS:-}
 exit $status
