@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -198,7 +199,7 @@ void check_backward(const Shape& s, uint64_t seed, bool pass_kl_grad = false, fl
 
 TEST(CudaBackward, GroupOfFourD64) {
   GPUTEST_REQUIRE_DEVICE();
-  check_backward(shape(4, 1, 1, 1, 64, 4, {700}), 11);
+  check_backward(shape(4, 1, 1, 1, 64, 4, {700}), 11, false, 1.f, true);
 }
 
 TEST(CudaBackward, M3LikeD128SeveralSequencesKlGrad) {
@@ -209,12 +210,12 @@ TEST(CudaBackward, M3LikeD128SeveralSequencesKlGrad) {
 
 TEST(CudaBackward, OneHeadPerProxyHeadHpkEqualsHp) {
   GPUTEST_REQUIRE_DEVICE();
-  check_backward(shape(2, 2, 2, 2, 64, 2, {513, 64}), 13);
+  check_backward(shape(2, 2, 2, 2, 64, 2, {513, 64}), 13, false, 1.f, true);
 }
 
 TEST(CudaBackward, LocalOnlyK1) {
   GPUTEST_REQUIRE_DEVICE();
-  check_backward(shape(4, 2, 1, 1, 64, 1, {400}), 14);
+  check_backward(shape(4, 2, 1, 1, 64, 1, {400}), 14, false, 1.f, true);
 }
 
 TEST(CudaBackward, KvHeadSharedByTwoGroups) {
@@ -225,7 +226,7 @@ TEST(CudaBackward, KvHeadSharedByTwoGroups) {
 
 TEST(CudaBackward, MoreProxyHeadsThanKvHeads) {
   GPUTEST_REQUIRE_DEVICE();
-  check_backward(shape(4, 1, 4, 2, 128, 2, {384}), 16);
+  check_backward(shape(4, 1, 4, 2, 128, 2, {384}), 16, false, 1.f, true);
 }
 
 TEST(CudaBackward, ManyShortSequencesWithEmptyOnes) {
@@ -233,12 +234,12 @@ TEST(CudaBackward, ManyShortSequencesWithEmptyOnes) {
   std::mt19937_64 rng(17);
   std::vector<int> lengths;
   for (int i = 0; i < 300; ++i) lengths.push_back(i % 37 == 5 ? 0 : 1 + static_cast<int>(rng() % 150));
-  check_backward(shape(4, 1, 2, 2, 64, 2, lengths), 17);
+  check_backward(shape(4, 1, 2, 2, 64, 2, lengths), 17, false, 1.f, true);
 }
 
 TEST(CudaBackward, FewerVisibleBlocksThanK) {
   GPUTEST_REQUIRE_DEVICE();
-  check_backward(shape(4, 1, 1, 1, 128, 16, {1100, 77}), 18, true, 2.f);
+  check_backward(shape(4, 1, 1, 1, 128, 16, {1100, 77}), 18, true, 2.f, true);
 }
 
 TEST(CudaBackward, FoldedLargeGroupD128) {
@@ -252,6 +253,37 @@ TEST(CudaBackward, FoldedGroupsShareKvHead) {
   GPUTEST_REQUIRE_DEVICE();
   // m = 4, H/Hkv = 8: folded KL with dk/dv through accumulators, Hp == Hpk (dkp per tile).
   check_backward(shape(8, 1, 2, 2, 64, 3, {500}), 21, false, 1.f, true);
+}
+
+// Deterministic mode with K <= 32 computes dq query-major, without atomics: same inputs, it must
+// agree with the fast mode's KV-major dq and be bitwise identical over runs.
+void check_deterministic_dq(const Shape& s, uint64_t seed) {
+  Setup st;
+  make_setup(st, s, seed, false, 1.f);
+  DeviceSide d;
+  upload(d, st);
+  const Grads fast = run_gpu(d, st, false);
+  const Grads det = run_gpu(d, st, true);
+  EXPECT_EQ(gputest::count_nonfinite(det.dq), 0) << "deterministic dq has unwritten/non-finite elements";
+  const double e = gputest::rel_l2(det.dq, fast.dq);
+  EXPECT_LT(e, 1e-2) << "deterministic dq vs fast dq";
+  std::printf("  det dq vs fast dq rel L2 %.3e\n", e);
+  // Grads::raw starts with dq's bits.
+  const auto n_dq = static_cast<std::ptrdiff_t>(det.dq.size());
+  for (int run = 1; run < 5; ++run) {
+    const Grads again = run_gpu(d, st, true);
+    EXPECT_TRUE(std::equal(det.raw.begin(), det.raw.begin() + n_dq, again.raw.begin()))
+        << "deterministic dq differs bitwise in run " << run;
+  }
+}
+
+TEST(CudaBackward, DeterministicDqMatchesFastDq) {
+  GPUTEST_REQUIRE_DEVICE();
+  // m = 32: two 16-row groups per token and proxy head; K = 16 > visible blocks (at most 12),
+  // partial last blocks, a 3-token sequence.
+  check_deterministic_dq(shape(32, 1, 1, 1, 128, 16, {1500, 3, 700}), 22);
+  // m = 5 (partial row groups), D = 64, Hp = 2 Hpk, a leading empty sequence.
+  check_deterministic_dq(shape(20, 4, 4, 2, 64, 5, {0, 640, 129}), 23);
 }
 
 TEST(CudaBackward, EmptyBatchWritesZeroKl) {

@@ -7,10 +7,10 @@
 //   kl_bwd_kernel    : the teacher (mean of the group's m softmaxes, rebuilt from q, k, lse),
 //                      the KL value, dqp and dkp
 // When every proxy group lies inside one kv head (H/Hkv a multiple of m = H/Hp, m >= 2: the m3
-// shape), attn_bwd_kernel<D, true> also does kl_bwd_kernel's work: its head segment is the whole
-// group, so the softmaxes the teacher needs are already in registers at each head step; they are
-// summed in shared memory and the proxy part runs once per token tile, after the group's last
-// head. That removes the teacher's second computation of S (m products per tile).
+// shape), attn_bwd_kernel with FOLD = true also does kl_bwd_kernel's work: its head segment is
+// the whole group, so the softmaxes the teacher needs are already in registers at each head
+// step; they are summed in shared memory and the proxy part runs once per token tile, after the
+// group's last head. That removes the teacher's second computation of S (m products per tile).
 #pragma once
 
 #include "sm90/backward_tiles.cuh"
@@ -256,7 +256,7 @@ constexpr int fold_smem_bytes() {
   return kBlk * kTileTok * 4 + kBlk * D * 2 + kTileTok * D * 2 + kTileTok * 4 + 128;
 }
 
-// What the folded proxy part needs (attn_bwd_kernel<D, true> only).
+// What the folded proxy part needs (attn_bwd_kernel with FOLD = true only).
 struct FoldArgs {
   const bf16* qp;        // [T, Hp, D]
   const bf16* kp;        // [T, Hpk, D]
@@ -270,7 +270,10 @@ struct FoldArgs {
   float c_base = 0.f;    // kl_coeff / (Hp*T); times g gives the dS factor
 };
 
-template <int D, bool FOLD>
+// DQ = false: no dq here (the deterministic mode's query-major dq, backward_dq.cu). A template
+// flag rather than a runtime branch: the kernel runs at the register limit, and the DQ = true
+// code must compile exactly as before.
+template <int D, bool FOLD, bool DQ>
 __global__ void __launch_bounds__(256, 1) attn_bwd_kernel(
     const bf16* __restrict__ q,    // [T, H, D]
     const bf16* __restrict__ k,    // [T, Hkv, D]
@@ -279,7 +282,7 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_kernel(
     const float* __restrict__ lse, // [H, T]
     const float* __restrict__ di,  // [T, H] rowsum(dO * O)
     Index ix, int H, int Hkv, int Hp, int nseg, float scale,
-    void* __restrict__ dq_acc,     // [T, H, D] fp32 or int64
+    void* __restrict__ dq_acc,     // [T, H, D] fp32 or int64 (DQ), unused otherwise
     const float* __restrict__ fx,  // [5] fixed-point factors, or null (fp32 atomics)
     int owned,                     // 1: this CTA is the only writer of its dk/dv rows
     bf16* __restrict__ dk,         // [T, Hkv, D] (owned)
@@ -432,16 +435,15 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_kernel(
     }
     accumulate_key_side<D>(dV, sT, do_base, lane);
     accumulate_key_side<D>(dK, dpT, q_base, lane);
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const int row = 16 * warp + g4, col = 8 * nt + 2 * c4;
-      store_pair_64(sdS, row, col, dpT[nt][0], dpT[nt][1]);
-      store_pair_64(sdS, row + 8, col, dpT[nt][2], dpT[nt][3]);
-    }
-    __syncthreads();
-
     const int n_base = (warp >> 2) * (D / 2);
-    {
+    if constexpr (DQ) {
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const int row = 16 * warp + g4, col = 8 * nt + 2 * c4;
+        store_pair_64(sdS, row, col, dpT[nt][0], dpT[nt][1]);
+        store_pair_64(sdS, row + 8, col, dpT[nt][2], dpT[nt][3]);
+      }
+      __syncthreads();
       float dq[D / 16][4];
       tokens_times_keys<D>(dq, ds_base, k_base, warp, lane);
       const int row = 16 * (warp & 3) + g4;

@@ -9,10 +9,13 @@
 //   3. Di = rowsum(dO * O) per (t, h); the student's lse per (p, t) from per-slot partials
 //      (KV-major pre-pass, then a merge);
 //   4. attn_bwd_kernel (dq, dk, dv) and kl_bwd_kernel (dqp, dkp, KL), KV-major; when every proxy
-//      group lies inside one kv head, one attn_bwd_kernel<D, true> does both (see the kernels);
+//      group lies inside one kv head, one attn_bwd_kernel (FOLD = true) does both (see the kernels);
 //   5. accumulators -> bf16, the KL sum -> kl.
 // Deterministic mode swaps the fp32 atomics for int64 fixed-point ones (see backward_tiles.cuh),
-// with per-tensor power-of-two factors derived on the device from bounds on each gradient.
+// with per-tensor power-of-two factors derived on the device from bounds on each gradient. With
+// top_k <= 32 it computes dq instead with the query-major, atomic-free dq_kernel
+// (backward_dq.cu) and attn_bwd_kernel skips dq: dq's int64 accumulator, 4x the size of q and
+// the largest one, is not allocated.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -26,7 +29,9 @@
 #include "common/metadata.cuh"
 #include "common/selection_index.cuh"
 #include "launchers.h"
+#include "sm90/backward_dq.cuh"
 #include "sm90/backward_kernels.cuh"
+#include "sm90/query_major.cuh"
 
 namespace flashmsa::cuda {
 namespace {
@@ -186,6 +191,14 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
 
   const float c_base = static_cast<float>(static_cast<double>(p.kl_coeff) / (static_cast<double>(p.Hp) * p.T));
   const unsigned attn_grid = static_cast<unsigned>(ix.NB) * nseg;
+  // dq_acc == null: dq is computed query-major (launch_backward_dq), the kernel skips it.
+  auto launch_attn = [&](auto kernel, int smem, const bwd::FoldArgs& fa) {
+    set_smem(kernel, smem);
+    kernel<<<attn_grid, 256, smem, stream>>>(
+        q, k, v, static_cast<const bf16*>(p.d_o), p.lse, di, ix, p.H, p.Hkv, p.Hp, nseg, p.scale, dq_acc, fx,
+        main_owned ? 1 : 0, static_cast<bf16*>(p.dk), static_cast<bf16*>(p.dv), dk_acc, dv_acc, fa);
+    FLASHMSA_CHECK_LAUNCH();
+  };
   if (fold) {
     bwd::FoldArgs fa;
     fa.qp = qp;
@@ -200,19 +213,13 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
     fa.c_base = c_base;
     constexpr int smem = bwd::attn_smem_bytes<D>() + bwd::fold_smem_bytes<D>();
     static_assert(smem <= 227 * 1024, "the folded backward must fit in one SM's shared memory");
-    set_smem(bwd::attn_bwd_kernel<D, true>, smem);
-    bwd::attn_bwd_kernel<D, true><<<attn_grid, 256, smem, stream>>>(
-        q, k, v, static_cast<const bf16*>(p.d_o), p.lse, di, ix, p.H, p.Hkv, p.Hp, nseg, p.scale, dq_acc, fx,
-        main_owned ? 1 : 0, static_cast<bf16*>(p.dk), static_cast<bf16*>(p.dv), dk_acc, dv_acc, fa);
-    FLASHMSA_CHECK_LAUNCH();
+    if (dq_acc) launch_attn(bwd::attn_bwd_kernel<D, true, true>, smem, fa);
+    else launch_attn(bwd::attn_bwd_kernel<D, true, false>, smem, fa);
     return;
   }
   constexpr int attn_smem = bwd::attn_smem_bytes<D>();
-  set_smem(bwd::attn_bwd_kernel<D, false>, attn_smem);
-  bwd::attn_bwd_kernel<D, false><<<attn_grid, 256, attn_smem, stream>>>(
-      q, k, v, static_cast<const bf16*>(p.d_o), p.lse, di, ix, p.H, p.Hkv, p.Hp, nseg, p.scale, dq_acc, fx,
-      main_owned ? 1 : 0, static_cast<bf16*>(p.dk), static_cast<bf16*>(p.dv), dk_acc, dv_acc, bwd::FoldArgs{});
-  FLASHMSA_CHECK_LAUNCH();
+  if (dq_acc) launch_attn(bwd::attn_bwd_kernel<D, false, true>, attn_smem, bwd::FoldArgs{});
+  else launch_attn(bwd::attn_bwd_kernel<D, false, false>, attn_smem, bwd::FoldArgs{});
 
   constexpr int kl_smem = bwd::kl_smem_bytes<D>();
   set_smem(bwd::kl_bwd_kernel<D>, kl_smem);
@@ -253,6 +260,10 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   const bool dkp_in_acc = !kl_owned || fold;
   const bool det = p.deterministic;
   const size_t acc_elem = det ? 8 : 4;
+  // dq_kernel reads a token's selection one entry per lane; the dense warm-up's all-blocks
+  // index (K > 32) keeps dq on the fixed-point path.
+  const bool dq_query_major = det && K <= 32;
+  const HeadItems dq_items = dq_query_major ? make_items(p, "fused_backward") : HeadItems{};
 
   Workspace ws;
   reserve_selection_index(sel, p, ws, stream);
@@ -264,7 +275,8 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   const int64_t n_dk = T * p.Hkv * p.D, n_dkp = T * p.Hpk * p.Dp;
   // The accumulators are zeroed together: keep them contiguous.
   const size_t o_acc_begin = ws.add(0);
-  const size_t o_dq = ws.add(n_dq * acc_elem), o_dqp = ws.add(n_dqp * acc_elem);
+  const size_t o_dq = dq_query_major ? 0 : ws.add(n_dq * acc_elem);
+  const size_t o_dqp = ws.add(n_dqp * acc_elem);
   const size_t o_dk = main_owned ? 0 : ws.add(n_dk * acc_elem);
   const size_t o_dv = main_owned ? 0 : ws.add(n_dk * acc_elem);
   const size_t o_dkp = dkp_in_acc ? ws.add(n_dkp * acc_elem) : 0;
@@ -313,13 +325,15 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
     fx = ws.at<float>(o_fx);
   }
 
+  if (dq_query_major) launch_backward_dq(p, dq_items, ws.at<float>(o_di), stream);
+  void* dq_acc = dq_query_major ? nullptr : ws.at<void>(o_dq);
   void* dk_acc = main_owned ? nullptr : ws.at<void>(o_dk);
   void* dv_acc = main_owned ? nullptr : ws.at<void>(o_dv);
   void* dkp_acc = dkp_in_acc ? ws.at<void>(o_dkp) : nullptr;
   auto run = [&](auto tag) {
     constexpr int D = decltype(tag)::value;
     run_kernels<D>(p, stream, ix, ws.at<float>(o_di), ws.at<float>(o_pmax), ws.at<float>(o_psum),
-                   ws.at<float>(o_lse_s), ws.at<void>(o_dq), ws.at<void>(o_dqp), dk_acc, dv_acc, dkp_acc, fx,
+                   ws.at<float>(o_lse_s), dq_acc, ws.at<void>(o_dqp), dk_acc, dv_acc, dkp_acc, fx,
                    ws.at<float>(o_kl_part), main_owned, kl_owned, nseg, fold);
   };
   if (p.D == 64) run(std::integral_constant<int, 64>{});
@@ -331,7 +345,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
                                                              static_cast<bf16*>(out));
     FLASHMSA_CHECK_LAUNCH();
   };
-  convert(ws.at<void>(o_dq), n_dq, 0, p.dq);
+  if (!dq_query_major) convert(dq_acc, n_dq, 0, p.dq);
   convert(ws.at<void>(o_dqp), n_dqp, 3, p.dqp);
   if (!main_owned) {
     convert(dk_acc, n_dk, 1, p.dk);
