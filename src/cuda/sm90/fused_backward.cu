@@ -312,7 +312,13 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
     const void* tensors[7] = {p.q, p.k, p.v, p.o, p.d_o, p.qp, p.kp};
     const int64_t sizes[7] = {T * p.H * p.D, T * p.Hkv * p.D, T * p.Hkv * p.Dv, T * p.H * p.Dv,
                               T * p.H * p.Dv, T * p.Hp * p.Dp, T * p.Hpk * p.Dp};
+    // Only the bounds of the accumulators that exist (fixed_point_kernel): dq needs k, v, o, dO;
+    // non-owned dk/dv need q, v, o, dO; dqp and dkp need kp and qp. Reading q, o and dO costs
+    // ~1 ms at m3/64k, so they are skipped when dq is query-major and dk/dv are owned.
+    const bool main_bounds = !dq_query_major || !main_owned;
+    const bool needed[7] = {!main_owned, !dq_query_major, main_bounds, main_bounds, main_bounds, true, true};
     for (int i = 0; i < 7; ++i) {
+      if (!needed[i]) continue;  // its amax stays 0: the factors that use it are never read
       absmax_kernel<<<grid_for(sizes[i] / 8, 256, 4096), 256, 0, stream>>>(
           static_cast<const bf16*>(tensors[i]), sizes[i] / 8, amax + i);
       FLASHMSA_CHECK_LAUNCH();
