@@ -1,6 +1,8 @@
 // GPU dense warm-up forward and backward against the CPU backend through the public API.
 // The GPU forward's o and lse feed the GPU backward (the CPU backward gets the CPU's own), so
 // this suite also exercises the sparse forward kernel over the all-visible-blocks selection.
+// A forward without the KL value at D = 128 takes the dense causal kernel instead; the
+// DenseForwardNoKl* tests check that one.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -89,6 +91,44 @@ void check_warmup(const Shape& s, uint64_t seed) {
   std::printf("  warmup lse max abs %.3e, kl fwd %.6g/%.6g bwd %.6g/%.6g\n", lse_err, kf, kl_fc, kb, kl_bc);
 }
 
+// Warm-up forward without the KL value: with D = Dv = 128 the CUDA backend runs the dense causal
+// kernel (dense_forward.cu, no selection index) instead of the sparse forward over all blocks.
+// o and lse against the CPU backend's dense_warmup_forward, GPU outputs poisoned (NaN).
+void check_dense_forward_no_kl(const Shape& s, uint64_t seed) {
+  Problem pr;
+  gputest::make_problem(pr, s, seed);
+  const int64_t T = pr.T;
+  flashmsa::Options opt = pr.options();
+  opt.mode = flashmsa::Mode::warmup;
+
+  std::vector<uint16_t> o_c(T * s.H * s.D, 0xFFFF);
+  std::vector<float> lse_c(s.H * T, std::nanf(""));
+  flashmsa::dense_warmup_forward(pr.host_inputs(), opt, flashmsa::make_view(o_c.data(), DType::bf16, {T, s.H, s.D}),
+                                 flashmsa::make_view(lse_c.data(), DType::fp32, {s.H, T}));
+
+  auto in = pr.device_inputs();
+  DeviceBuffer o(T * s.H * s.D * 2), lse(s.H * T * 4);
+  o.fill(gputest::kFloatPoison);
+  lse.fill(gputest::kFloatPoison);
+  flashmsa::dense_warmup_forward(in, opt, gputest::dview(o, DType::bf16, {T, s.H, s.D}),
+                                 gputest::dview(lse, DType::fp32, {s.H, T}));
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+
+  const auto got = gputest::bf16_to_doubles(o.download<uint16_t>());
+  const auto ref = gputest::bf16_to_doubles(o_c);
+  ASSERT_EQ(gputest::count_nonfinite(ref), 0) << "CPU o non-finite";
+  EXPECT_EQ(gputest::count_nonfinite(got), 0) << "o unwritten/non-finite";
+  const double e = gputest::rel_l2(got, ref);
+  EXPECT_LT(e, 1e-2) << "o rel L2";
+  const auto lse_g = lse.download<float>();
+  double lse_err = 0;
+  for (size_t i = 0; i < lse_g.size(); ++i)
+    lse_err = std::isfinite(lse_g[i]) ? std::max(lse_err, std::fabs(static_cast<double>(lse_g[i]) - lse_c[i]))
+                                      : INFINITY;
+  EXPECT_LT(lse_err, 1e-3) << "lse max abs error";
+  std::printf("  dense fwd (no KL) o rel L2 %.3e, lse max abs %.3e\n", e, lse_err);
+}
+
 Shape shape(int H, int Hkv, int Hp, int Hpk, int D, std::vector<int> lengths) {
   return gputest::shape(H, Hkv, Hp, Hpk, D, /*K, ignored by the warm-up mode=*/16, std::move(lengths));
 }
@@ -114,6 +154,27 @@ TEST(CudaWarmup, LongSequence5000FusedKl) {
 TEST(CudaWarmup, LongSequence9000KlRows) {
   GPUTEST_REQUIRE_DEVICE();
   check_warmup(shape(4, 2, 1, 1, 64, {9000}), 34);
+}
+
+// Dense causal kernel (forward without KL, D = 128). m3-like group of 16 query heads on one kv
+// head; 700 and 2500 end in partial tiles (700 = 5*128 + 60, 2500 = 19*128 + 68).
+TEST(CudaWarmup, DenseForwardNoKlGroup16TwoSequences) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_dense_forward_no_kl(shape(16, 1, 1, 1, 128, {700, 2500}), 41);
+}
+
+// One key past a whole number of blocks: the last tile has a single valid query row.
+TEST(CudaWarmup, DenseForwardNoKlOneRowTile) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_dense_forward_no_kl(shape(8, 2, 2, 1, 128, {128 * 5 + 1}), 42);
+}
+
+// Many short sequences, empty ones (first, middle, last), lengths below, at and just past one
+// block: tiles that are the diagonal block only, and tiles whose rows run into the next sequence.
+TEST(CudaWarmup, DenseForwardNoKlManyShortSequences) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_dense_forward_no_kl(
+      shape(4, 2, 2, 1, 128, {0, 1, 127, 5, 0, 128, 129, 64, 255, 3, 300, 17, 256, 2, 0}), 43);
 }
 
 }  // namespace

@@ -5,6 +5,8 @@
 // J, so the sparse path computes exactly the dense definitions, with no new kernels and no
 // T x T buffer. Cost: the index is Hp*T*K int32 (T^2/128 per proxy head), and the KV-major
 // backward sorts Hp*T*K entries; fine for warm-up lengths, quadratic like the mode itself.
+// Exception: a forward without the KL value and with D = Dv = 128 runs the dense causal kernel
+// of dense_forward.cu instead (no index at all).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -62,6 +64,12 @@ void with_dense_selection(const MsaParams& p, cudaStream_t stream, Body body) {
 void launch_dense_warmup_forward(const MsaParams& p, cudaStream_t stream) {
   if (p.T == 0) {
     if (p.kl) FLASHMSA_CUDA_CHECK(cudaMemsetAsync(p.kl, 0, sizeof(float), stream));
+    return;
+  }
+  // Without the KL the forward is plain dense causal attention: the dedicated kernel needs no
+  // index. The KL (and head dims other than 128) still go through the all-blocks sparse path.
+  if (p.kl == nullptr && p.D == 128 && p.Dv == 128) {
+    launch_dense_attention_forward(p, stream);
     return;
   }
   with_dense_selection(p, stream, [&](const MsaParams& dense) { launch_sparse_attention_forward(dense, stream); });
