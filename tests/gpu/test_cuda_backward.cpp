@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -253,6 +254,75 @@ TEST(CudaBackward, FoldedGroupsShareKvHead) {
   GPUTEST_REQUIRE_DEVICE();
   // m = 4, H/Hkv = 8: folded KL with dk/dv through accumulators, Hp == Hpk (dkp per tile).
   check_backward(shape(8, 1, 2, 2, 64, 3, {500}), 21, false, 1.f, true);
+}
+
+TEST(CudaBackward, WgmmaPathGroupOf16K16) {
+  GPUTEST_REQUIRE_DEVICE();
+  // Hkv = Hp: each kv head is exactly one group of m = 16 heads, D = 128, not deterministic:
+  // the wgmma kernel (backward_wgmma.cuh). Two sequences, both with a partial last block
+  // (2200 = 17 x 128 + 24), K = 16 (the first sequence's late tokens see more than K blocks),
+  // two proxy groups sharing one proxy key head (dkp from both), g != 1.
+  check_backward(shape(32, 2, 2, 1, 128, 16, {2200, 333}), 24, true, 0.6f);
+}
+
+// FLASHMSA_BACKWARD_PATH for one scope (nullptr: unset, the default routing), restored after.
+class ScopedBackwardPath {
+ public:
+  explicit ScopedBackwardPath(const char* value) {
+    const char* old = std::getenv("FLASHMSA_BACKWARD_PATH");
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    if (value != nullptr) setenv("FLASHMSA_BACKWARD_PATH", value, 1);
+    else unsetenv("FLASHMSA_BACKWARD_PATH");
+  }
+  ~ScopedBackwardPath() {
+    if (had_) setenv("FLASHMSA_BACKWARD_PATH", old_.c_str(), 1);
+    else unsetenv("FLASHMSA_BACKWARD_PATH");
+  }
+  ScopedBackwardPath(const ScopedBackwardPath&) = delete;
+  ScopedBackwardPath& operator=(const ScopedBackwardPath&) = delete;
+
+ private:
+  bool had_ = false;
+  std::string old_;
+};
+
+// Same inputs through the default routing (the wgmma kernel for these shapes) and through the
+// mma.sync kernel forced by FLASHMSA_BACKWARD_PATH=mma: the same gradients up to the order of
+// the atomics and the bf16 rounding of P / dS.
+void check_wgmma_vs_mma(const Shape& s, uint64_t seed) {
+  Setup st;
+  make_setup(st, s, seed, true, 1.3f);
+  DeviceSide d;
+  upload(d, st);
+  Grads wg, mma;
+  {
+    ScopedBackwardPath path(nullptr);
+    wg = run_gpu(d, st, false);
+  }
+  {
+    ScopedBackwardPath path("mma");
+    mma = run_gpu(d, st, false);
+  }
+  const char* names[5] = {"dq", "dk", "dv", "dqp", "dkp"};
+  const std::vector<double>* a[5] = {&wg.dq, &wg.dk, &wg.dv, &wg.dqp, &wg.dkp};
+  const std::vector<double>* b[5] = {&mma.dq, &mma.dk, &mma.dv, &mma.dqp, &mma.dkp};
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_EQ(gputest::count_nonfinite(*a[i]), 0) << "wgmma path: " << names[i] << " non-finite/unwritten";
+    EXPECT_EQ(gputest::count_nonfinite(*b[i]), 0) << "mma path: " << names[i] << " non-finite/unwritten";
+    const double e = gputest::rel_l2(*a[i], *b[i]);
+    EXPECT_LT(e, 1e-2) << names[i] << ": wgmma vs mma rel L2";
+    std::printf("  wgmma vs mma %-4s rel L2 %.3e\n", names[i], e);
+  }
+  const double kl_rel = std::fabs(wg.kl - mma.kl) / std::max(1e-30, std::fabs(static_cast<double>(mma.kl)));
+  EXPECT_LT(kl_rel, 1e-3) << "kl wgmma " << wg.kl << " mma " << mma.kl;
+}
+
+TEST(CudaBackward, WgmmaPathMatchesMmaPath) {
+  GPUTEST_REQUIRE_DEVICE();
+  // m = 16 on one kv head, a partial 129-token sequence; m = 2 with four groups on one proxy key head.
+  check_wgmma_vs_mma(shape(16, 1, 1, 1, 128, 16, {1900, 129}), 25);
+  check_wgmma_vs_mma(shape(8, 4, 4, 1, 128, 6, {1000, 70, 520}), 26);
 }
 
 // Deterministic mode with K <= 32 computes dq query-major, without atomics: same inputs, it must

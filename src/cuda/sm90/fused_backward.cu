@@ -10,6 +10,8 @@
 //      (KV-major pre-pass, then a merge);
 //   4. attn_bwd_kernel (dq, dk, dv) and kl_bwd_kernel (dqp, dkp, KL), KV-major; when every proxy
 //      group lies inside one kv head, one attn_bwd_kernel (FOLD = true) does both (see the kernels);
+//      when each kv head is exactly one group, D = 128 and not deterministic, the wgmma version of
+//      that folded kernel does (backward_wgmma.cuh; FLASHMSA_BACKWARD_PATH=mma forces the old one);
 //   5. accumulators -> bf16, the KL sum -> kl.
 // Deterministic mode swaps the fp32 atomics for int64 fixed-point ones (see backward_tiles.cuh),
 // with per-tensor power-of-two factors derived on the device from bounds on each gradient. With
@@ -23,6 +25,8 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "common/check.cuh"
@@ -31,6 +35,7 @@
 #include "launchers.h"
 #include "sm90/backward_dq.cuh"
 #include "sm90/backward_kernels.cuh"
+#include "sm90/backward_wgmma.cuh"
 #include "sm90/query_major.cuh"
 
 namespace flashmsa::cuda {
@@ -168,6 +173,14 @@ void set_smem(Kernel kernel, int bytes) {
   FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
+// FLASHMSA_BACKWARD_PATH=mma keeps the mma.sync attn_bwd_kernel for the shapes that otherwise
+// take the wgmma kernel (A/B timing, and a fallback); read per call. Any other value, or none:
+// the default routing.
+bool backward_path_forces_mma() {
+  const char* path = std::getenv("FLASHMSA_BACKWARD_PATH");
+  return path != nullptr && std::strcmp(path, "mma") == 0;
+}
+
 template <int D>
 void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, const float* di,
                  float* part_max, float* part_sum, float* lse_s, void* dq_acc, void* dqp_acc,
@@ -211,6 +224,19 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
     fa.Hpk = p.Hpk;
     fa.scale_p = p.proxy_scale;
     fa.c_base = c_base;
+    // The wgmma kernel (backward_wgmma.cuh) takes D = 128 (= Dv = Dp, check_supported), each
+    // kv head exactly one proxy group (Hkv == Hp, so H/Hkv == m), owned dk/dv, fp32 atomics.
+    if constexpr (D == 128) {
+      if (p.Hkv == p.Hp && main_owned && fx == nullptr && dq_acc != nullptr && !backward_path_forces_mma()) {
+        constexpr int smem = bwd::WgBwd::kSmem;
+        set_smem(bwd::attn_bwd_wgmma_kernel, smem);
+        bwd::attn_bwd_wgmma_kernel<<<static_cast<unsigned>(ix.NB) * p.Hp, bwd::WgBwd::kThreads, smem, stream>>>(
+            q, k, v, static_cast<const bf16*>(p.d_o), p.lse, di, ix, p.H, p.Hkv, p.Hp, p.scale,
+            static_cast<float*>(dq_acc), static_cast<bf16*>(p.dk), static_cast<bf16*>(p.dv), fa);
+        FLASHMSA_CHECK_LAUNCH();
+        return;
+      }
+    }
     constexpr int smem = bwd::attn_smem_bytes<D>() + bwd::fold_smem_bytes<D>();
     static_assert(smem <= 227 * 1024, "the folded backward must fit in one SM's shared memory");
     if (dq_acc) launch_attn(bwd::attn_bwd_kernel<D, true, true>, smem, fa);

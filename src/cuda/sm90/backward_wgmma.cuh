@@ -1,0 +1,462 @@
+// The folded fused backward on warpgroup MMA (wgmma), FlashAttention-3 style and transposed so
+// that the block's KEYS are the MMA's M dimension. It computes exactly what
+// attn_bwd_kernel<128, FOLD = true, DQ = true> computes (same accumulators, same outputs) for the
+// case fused_backward.cu routes here: D = Dv = Dp = 128, every kv head is exactly one proxy group
+// (H/Hkv == H/Hp = m >= 2: m3, gqa8), dk/dv owned by the CTA, fp32 atomics (not deterministic).
+//
+// Why: the mma.sync kernel has 8 warps that each re-read the whole Q and dO tiles with ldmatrix
+// and is bound by shared-memory bandwidth and latency; wgmma reads a shared operand once per
+// 64-row warpgroup and runs asynchronously, so the softmax work overlaps the tensor cores.
+//
+// CTA = (proxy group p, global key block g), 3 warpgroups:
+//   WG0 (producer): K, V, Kp of the block once, then per step a gathered tile of 64 tokens into a
+//     2-stage ring (cp.async with zero fill, completion signalled on the stage's `full` mbarrier
+//     with cp.async.mbarrier.arrive.noinc). Steps are (tile, head h of the group) for the m
+//     heads, then one proxy step per tile that loads Qp into the same Q slot.
+//   WG1, WG2 (consumers): WG w owns keys 64w..64w+63. Head step: S^T = K_w Q^T and
+//     dP^T = V_w dO^T (SS), P^T and dS^T in registers, teacher sum += P^T (thread-private fp32
+//     slots in shared memory), dV_w += P^T dO and dK_w += dS^T Q (RS, fp32 for the whole CTA in
+//     registers), dS^T to a shared [128 keys][64 tok] tile, dQ[:, 64w..] = dS K (SS) -> atomics.
+//     Proxy step: S_p^T = Kp_w Qp^T, KL terms, dS_p^T = c (Qs - Tch), dkp share = dS_p^T Qp (RS,
+//     two 64-column halves -> atomics), dqp = dS_p Kp via the shared dS tile -> atomics.
+//   End: dK (times scale), dV to bf16 in dk/dv; the block's KL share into kl_part in a fixed order.
+//
+// Operand orientation (every tile bf16, 64-column slabs of R rows x 128 B, 128-byte swizzle):
+//   S^T, dP^T, S_p^T : A = K/V/Kp rows 64w.. (K-major), B = Q/dO/Qp (K-major)
+//   dV, dK, dkp      : A = registers (P^T / dS^T), B = dO/Q/Qp [tok][D] (MN-major)
+//   dQ, dqp          : A = dS^T tile [keys][tok] (MN-major), B = K/Kp [keys][D] columns 64w.. (MN-major)
+#pragma once
+
+#include <cuda/ptx>
+
+#include "common/tma.cuh"
+#include "common/wgmma.cuh"
+#include "sm90/backward_kernels.cuh"
+
+namespace flashmsa::cuda::bwd {
+
+struct WgBwd {
+  static constexpr int kD = 128;
+  static constexpr int kThreads = 384;        // producer WG + 2 consumer WGs
+  static constexpr int kConsumers = 256;
+  static constexpr int kKeyTile = kBlk * kD * 2;        // [128][128] bf16: K, V, Kp
+  static constexpr int kTokTile = kTileTok * kD * 2;    // [64][128] bf16: Q, dO, Qp
+  static constexpr int kKeySlab = kBlk * 128;           // one 64-column slab of a key tile
+  static constexpr int kTokSlab = kTileTok * 128;       // one 64-column slab of a token tile
+  static constexpr int kDsTile = kBlk * kTileTok * 2;   // dS^T [128 keys][64 tok] bf16, one slab
+  static constexpr int kTchBytes = kConsumers * 32 * 4; // 32 fp32 teacher sums per consumer thread
+  // Byte offsets from the 1024-aligned base.
+  static constexpr int oK = 0;
+  static constexpr int oV = oK + kKeyTile;
+  static constexpr int oKp = oV + kKeyTile;
+  static constexpr int oQ = oKp + kKeyTile;            // 2 stages (Q, or Qp at a proxy step)
+  static constexpr int odO = oQ + 2 * kTokTile;        // 2 stages
+  static constexpr int odS = odO + 2 * kTokTile;
+  static constexpr int oTch = odS + kDsTile;
+  static constexpr int oMeta = oTch + kTchBytes;       // 2 x TokMeta
+  static constexpr int oRed = oMeta + 2 * static_cast<int>(sizeof(TokMeta));  // [8] fp32 (64 B)
+  static constexpr int oBar = oRed + 64;               // full[2], empty[2], kv_full
+  static constexpr int kBytes = oBar + 5 * 8;
+  static constexpr int kSmem = kBytes + 1024;          // + alignment slack of the dynamic base
+};
+static_assert(WgBwd::kSmem <= 227 * 1024, "the wgmma backward must fit in one SM's shared memory");
+
+// Named barriers of the two consumer warpgroups (0 is __syncthreads; the producer never joins).
+constexpr int kBarDsFree = 1;   // both WGs finished the MMA that read the previous dS tile
+constexpr int kBarDsReady = 2;  // both halves of the current dS tile are written and fenced
+constexpr int kBarKl = 3;       // per-warp KL partials are in shared memory
+
+// The calling thread's earlier cp.async copies arrive on `bar` when they complete (the count
+// given at init must include this arrival: .noinc).
+__device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void wb_zero(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) d[i] = 0.f;
+}
+
+// Stores a 64-key x 64-token dS^T accumulator (as its bf16 A fragments, a[kk] = columns
+// 16kk..16kk+15) into rows r0.. of the shared [128][64] dS^T tile.
+__device__ __forceinline__ void store_ds_frags(unsigned char* ds, const uint32_t (&a)[4][4], int r0, int c4) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int col = 8 * j + 2 * c4;
+    *reinterpret_cast<uint32_t*>(ds + sw128_offset(r0, col, kBlk)) = a[j >> 1][(j & 1) * 2];
+    *reinterpret_cast<uint32_t*>(ds + sw128_offset(r0 + 8, col, kBlk)) = a[j >> 1][(j & 1) * 2 + 1];
+  }
+}
+
+// 64 x 64 (x K = 128) SS product with both operands K-major: acc = A rows . B rows^T.
+// a_addr: the first of A's 64 rows in a tile of a_rows rows; b_addr: a 64-row token tile.
+__device__ __forceinline__ void ss_kmajor_64x64(float (&acc)[32], uint32_t a_addr, int a_rows, uint32_t b_addr) {
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks)
+    wgmma_ss_bf16<64, 0, 0>(acc, wgmma_desc_sw128(a_addr + (ks >> 2) * a_rows * 128 + (ks & 3) * 32),
+                            wgmma_desc_sw128(b_addr + (ks >> 2) * WgBwd::kTokSlab + (ks & 3) * 32), ks > 0);
+}
+
+// 64 tokens x 64 columns (x K = 128 keys) = dS (the shared dS^T tile read MN-major) . the key
+// tile's 64-column slab `slab` (MN-major).
+__device__ __forceinline__ void ss_tokens_by_keys(float (&acc)[32], uint32_t ds_addr, uint32_t key_addr, int slab) {
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks)
+    wgmma_ss_bf16<64, 1, 1>(acc, wgmma_desc_sw128_mn(ds_addr + ks * 16 * 128, WgBwd::kKeySlab),
+                            wgmma_desc_sw128_mn(key_addr + slab * WgBwd::kKeySlab + ks * 16 * 128, WgBwd::kKeySlab),
+                            ks > 0);
+}
+
+__global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
+    const bf16* __restrict__ q,    // [T, H, 128]
+    const bf16* __restrict__ k,    // [T, Hkv, 128]
+    const bf16* __restrict__ v,    // [T, Hkv, 128]
+    const bf16* __restrict__ d_o,  // [T, H, 128]
+    const float* __restrict__ lse, // [H, T]
+    const float* __restrict__ di,  // [T, H] rowsum(dO * O)
+    Index ix, int H, int Hkv, int Hp, float scale,
+    float* __restrict__ dq_acc,    // [T, H, 128] fp32
+    bf16* __restrict__ dk,         // [T, Hkv, 128] (owned: this CTA is the only writer of its rows)
+    bf16* __restrict__ dv,         // [T, Hkv, 128]
+    FoldArgs fa) {
+  using L = WgBwd;
+  constexpr int D = L::kD;
+  extern __shared__ unsigned char wb_smem_raw[];
+  // The 128-byte swizzle and the wgmma descriptors need 1024-byte aligned tiles.
+  unsigned char* smem = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(wb_smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
+  unsigned char* sK = smem + L::oK;     // [128][128] slab layout
+  unsigned char* sV = smem + L::oV;     // [128][128]
+  unsigned char* sKp = smem + L::oKp;   // [128][128]
+  unsigned char* sQ = smem + L::oQ;     // 2 x [64][128]: Q of the step's head, or Qp
+  unsigned char* sdO = smem + L::odO;   // 2 x [64][128]
+  unsigned char* sdS = smem + L::odS;   // [128 keys][64 tok] dS^T (or dS_p^T)
+  float4* sTch = reinterpret_cast<float4*>(smem + L::oTch);     // [8][256] float4 teacher sums
+  TokMeta* meta = reinterpret_cast<TokMeta*>(smem + L::oMeta);  // 2 stages; lse = student lse at proxy steps
+  float* sRed = reinterpret_cast<float*>(smem + L::oRed);       // [8]
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::oBar);  // [2]
+  uint64_t* empty = full + 2;                                    // [2]
+  uint64_t* kv_full = full + 4;                                  // [1]
+
+  // Same grid order as attn_bwd_kernel: proxy group fastest (here one segment = one group).
+  const int g = blockIdx.x / Hp, p = blockIdx.x % Hp;
+  const int m = H / Hp;
+  const int kvh = p;  // H/Hkv == m: kv head p is exactly group p
+  const int pk = p / (Hp / fa.Hpk);
+  const BlockCtx bc = block_ctx(ix, p, g);
+  const int ntiles = (bc.end - bc.begin + kTileTok - 1) / kTileTok;
+  const int steps = ntiles * (m + 1);
+
+  if (threadIdx.x == 0) {
+    // full: 128 cp.async arrivals (noinc) + 128 plain arrivals that release the st.shared
+    // metadata; empty: every consumer thread.
+    for (int s = 0; s < 2; ++s) {
+      ::cuda::ptx::mbarrier_init(full + s, 256);
+      ::cuda::ptx::mbarrier_init(empty + s, L::kConsumers);
+    }
+    ::cuda::ptx::mbarrier_init(kv_full, 128);
+    ::cuda::ptx::fence_mbarrier_init(::cuda::ptx::sem_release, ::cuda::ptx::scope_cluster);
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    // ------------------------------------------------------------------ producer
+    setmaxnreg_dec<24>();
+    if (steps == 0) return;
+    const int pt = threadIdx.x;
+    // Keys past the sequence end are zero-filled (they belong to another sequence or lie past T).
+    {
+      const int c = pt & 15;  // chunk c of rows pt/16, pt/16 + 8, ... of each key tile
+      for (int rr = pt >> 4; rr < kBlk; rr += 8) {
+        const int key = bc.key0 + rr;
+        const bool ok = key < bc.seq_len;
+        const int64_t row = ok ? bc.seq_start + key : 0;
+        const uint32_t off = rr * 128 + (c >> 3) * L::kKeySlab + (((c & 7) ^ (rr & 7)) << 4);
+        cp_async_16(smem_u32(sK + off), k + (row * Hkv + kvh) * D + 8 * c, ok);
+        cp_async_16(smem_u32(sV + off), v + (row * Hkv + kvh) * D + 8 * c, ok);
+        cp_async_16(smem_u32(sKp + off), fa.kp + (row * fa.Hpk + pk) * D + 8 * c, ok);
+      }
+    }
+    cp_async_mbar_arrive_noinc(kv_full);
+
+    // Two threads per token row: thread `half` copies the row's 64-column slab `half` (8 chunks).
+    // Kept lean: the producer runs on 24 registers (setmaxnreg), so the tile and head are
+    // counted rather than divided out, and the token index is read once per tile.
+    const int row = pt >> 1, half = pt & 1, sw = row & 7;
+    const uint32_t q_dst = smem_u32(sQ) + half * L::kTokSlab + row * 128;  // + stage + chunk
+    const uint32_t o_dst = q_dst + (L::odO - L::oQ);
+    int t = -1, i0 = bc.begin, hi = 0;
+    for (int s = 0; s < steps; ++s) {
+      const int st = s & 1;
+      if (s >= 2) mbarrier_wait(empty + st, ((s >> 1) - 1) & 1);
+      if (hi == 0) t = row < min(kTileTok, bc.end - i0) ? __ldg(ix.vals + i0 + row) / ix.K : -1;
+      const bool ok = t >= 0;
+      const int64_t tt = ok ? t : 0;
+      TokMeta& tm = meta[st];
+      const uint32_t qs = q_dst + st * L::kTokTile;
+      if (hi < m) {
+        const int h = p * m + hi;
+        const uint32_t os = o_dst + st * L::kTokTile;
+        const int64_t at = (tt * H + h) * D + 64 * half;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+          cp_async_16(qs + ((c ^ sw) << 4), q + at + 8 * c, ok);
+          cp_async_16(os + ((c ^ sw) << 4), d_o + at + 8 * c, ok);
+        }
+        if (half == 0) cp_async_4(smem_u32(&tm.lse[row]), lse + static_cast<int64_t>(h) * ix.T + tt, ok);
+        else cp_async_4(smem_u32(&tm.aux[row]), di + tt * H + h, ok);
+      } else {
+        const int64_t at = (tt * Hp + p) * D + 64 * half;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) cp_async_16(qs + ((c ^ sw) << 4), fa.qp + at + 8 * c, ok);
+        if (half == 0) cp_async_4(smem_u32(&tm.lse[row]), fa.lse_s + static_cast<int64_t>(p) * ix.T + tt, ok);
+      }
+      if (half == 0) {
+        tm.tok[row] = t;
+        tm.tpos[row] = ok ? static_cast<int>(t - bc.seq_start) : -1;
+      }
+      cp_async_mbar_arrive_noinc(full + st);
+      ::cuda::ptx::mbarrier_arrive(full + st);  // release: the st.shared metadata above
+      if (++hi == m + 1) {
+        hi = 0;
+        i0 += kTileTok;
+      }
+    }
+    cp_async_wait<0>();  // no copy may outlive its issuing thread
+    return;
+  }
+
+  // -------------------------------------------------------------------- consumers
+  setmaxnreg_inc<240>();
+  const int ct = threadIdx.x - 128;               // 0..255
+  const int cw = wg - 1;                          // this WG's keys: 64cw..64cw+63
+  const int wi = (ct >> 5) & 3, lane = ct & 31, g4 = lane >> 2, c4 = lane & 3;
+  const int kr = 64 * cw + 16 * wi + g4;          // this thread's key rows kr, kr + 8 (in the block)
+  const float scale2 = scale * kLog2e;
+  const float c_kl = fa.c_base * (fa.kl_grad ? __ldg(fa.kl_grad) : 1.f);
+  const float inv_m = 1.f / static_cast<float>(m);
+  const uint32_t k_base = smem_u32(sK), v_base = smem_u32(sV), kp_base = smem_u32(sKp);
+  const uint32_t ds_base = smem_u32(sdS);
+
+  float dK[64], dV[64];
+  wb_zero(dK);
+  wb_zero(dV);
+  float kl = 0.f;
+  float4* slots = sTch + ct;  // thread-private: slot j at slots[j * 256]
+#pragma unroll
+  for (int j = 0; j < 8; ++j) slots[j * L::kConsumers] = make_float4(0.f, 0.f, 0.f, 0.f);
+
+  if (steps > 0) {
+    mbarrier_wait(kv_full, 0);
+    fence_proxy_async_shared();
+  }
+
+  for (int s = 0; s < steps; ++s) {
+    const int st = s & 1, hi = s % (m + 1);
+    mbarrier_wait(full + st, (s >> 1) & 1);
+    fence_proxy_async_shared();  // the stage was written by cp.async (generic proxy); wgmma reads it
+    const TokMeta& tm = meta[st];
+    const uint32_t q_st = smem_u32(sQ + st * L::kTokTile);
+    const int trow = 16 * wi + g4;  // this thread's token rows of dQ / dqp: trow, trow + 8
+
+    if (hi < m) {
+      // ---------------------------------------------------------- head step
+      const int h = p * m + hi;
+      const uint32_t do_st = smem_u32(sdO + st * L::kTokTile);
+      float sT[32], dpT[32];
+      wgmma_fence();
+      ss_kmajor_64x64(sT, k_base + 64 * cw * 128, kBlk, q_st);
+      wgmma_commit();
+      ss_kmajor_64x64(dpT, v_base + 64 * cw * 128, kBlk, do_st);
+      wgmma_commit();
+      wgmma_wait<1>();
+      wgmma_fence_operands(sT);
+      // P^T while dP^T is still on the tensor cores.
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int col = 8 * j + 2 * c4;
+        const int2 tp = *reinterpret_cast<const int2*>(&tm.tpos[col]);
+        const float2 ls = *reinterpret_cast<const float2*>(&tm.lse[col]);
+        const int tpv[2] = {tp.x, tp.y};
+        const float nl[2] = {-ls.x * kLog2e, -ls.y * kLog2e};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = bc.key0 + kr + 8 * (e >> 1);
+          sT[4 * j + e] = key <= tpv[e & 1] ? exp2f(fmaf(sT[4 * j + e], scale2, nl[e & 1])) : 0.f;
+        }
+      }
+      // Teacher sums (thread-private, no barrier), zeroed by the tile's proxy step.
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        float4 a = slots[j * L::kConsumers];
+        a.x += sT[4 * j];
+        a.y += sT[4 * j + 1];
+        a.z += sT[4 * j + 2];
+        a.w += sT[4 * j + 3];
+        slots[j * L::kConsumers] = a;
+      }
+      wgmma_wait<0>();
+      wgmma_fence_operands(dpT);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float2 ax = *reinterpret_cast<const float2*>(&tm.aux[8 * j + 2 * c4]);
+        const float axv[2] = {ax.x, ax.y};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dpT[4 * j + e] = sT[4 * j + e] * (dpT[4 * j + e] - axv[e & 1]);
+      }
+      // Packed only now: P^T and dS^T in fp32 and bf16 at once would cost 32 more registers.
+      uint32_t pa[4][4], da[4][4];
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        acc_to_a_frag(pa[kk], sT + 8 * kk);
+        acc_to_a_frag(da[kk], dpT + 8 * kk);
+      }
+
+      // dV_w += P^T dO, dK_w += dS^T Q (k = the tile's 64 tokens).
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_rs_bf16<128, 1>(dV, pa[kk], wgmma_desc_sw128_mn(do_st + kk * 16 * 128, L::kTokSlab), 1);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_rs_bf16<128, 1>(dK, da[kk], wgmma_desc_sw128_mn(q_st + kk * 16 * 128, L::kTokSlab), 1);
+      wgmma_commit();
+
+      // dS^T into the shared tile for dQ, which needs all 128 keys (both WGs' halves).
+      bar_sync(kBarDsFree, L::kConsumers);
+      store_ds_frags(sdS, da, kr, c4);
+      fence_proxy_async_shared();
+      bar_sync(kBarDsReady, L::kConsumers);
+      float dq[32];
+      wgmma_fence();
+      ss_tokens_by_keys(dq, ds_base, k_base, cw);
+      wgmma_commit();
+      const int t_lo = tm.tok[trow], t_hi = tm.tok[trow + 8];
+      wgmma_wait<0>();
+      wgmma_fence_operands(dq);
+      wgmma_fence_operands(dK);
+      wgmma_fence_operands(dV);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {  // register A operands of the RS products: live until here
+        wgmma_fence_operands(pa[kk]);
+        wgmma_fence_operands(da[kk]);
+      }
+      ::cuda::ptx::mbarrier_arrive(empty + st);  // Q, dO and the metadata of this stage are read
+      const int64_t at_lo = (static_cast<int64_t>(t_lo < 0 ? 0 : t_lo) * H + h) * D + 64 * cw + 2 * c4;
+      const int64_t at_hi = (static_cast<int64_t>(t_hi < 0 ? 0 : t_hi) * H + h) * D + 64 * cw + 2 * c4;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        acc_add_tile(dq_acc, at_lo + 8 * j, at_hi + 8 * j, t_lo >= 0, t_hi >= 0, dq[4 * j] * scale,
+                     dq[4 * j + 1] * scale, dq[4 * j + 2] * scale, dq[4 * j + 3] * scale, 0.f, c4);
+    } else {
+      // ---------------------------------------------------------- proxy step (Qp in the Q slot)
+      float sp[32];
+      wgmma_fence();
+      ss_kmajor_64x64(sp, kp_base + 64 * cw * 128, kBlk, q_st);
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_operands(sp);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int col = 8 * j + 2 * c4;
+        const int2 tp = *reinterpret_cast<const int2*>(&tm.tpos[col]);
+        const float2 ls = *reinterpret_cast<const float2*>(&tm.lse[col]);  // the student's lse
+        const int tpv[2] = {tp.x, tp.y};
+        const float lsv[2] = {ls.x, ls.y};
+        const float4 t4 = slots[j * L::kConsumers];
+        slots[j * L::kConsumers] = make_float4(0.f, 0.f, 0.f, 0.f);  // the next tile starts from zero
+        const float tsum[4] = {t4.x, t4.y, t4.z, t4.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = bc.key0 + kr + 8 * (e >> 1);
+          float ds = 0.f;
+          if (key <= tpv[e & 1]) {
+            const float log_qs = sp[4 * j + e] * fa.scale_p - lsv[e & 1];
+            const float te = tsum[e] * inv_m;
+            if (te > 0.f) kl += te * (__logf(te) - log_qs);
+            ds = c_kl * (__expf(log_qs) - te);
+          }
+          sp[4 * j + e] = ds;
+        }
+      }
+      uint32_t da[4][4];
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) acc_to_a_frag(da[kk], sp + 8 * kk);
+
+      // dkp share of this tile, rows = this WG's keys, in two 64-column halves (32 registers each).
+      const int key_lo = bc.key0 + kr;
+      const int64_t kat_lo = ((bc.seq_start + key_lo) * fa.Hpk + pk) * D + 2 * c4;
+      const int64_t kat_hi = kat_lo + static_cast<int64_t>(8) * fa.Hpk * D;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float acc[32];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+          wgmma_rs_bf16<64, 1>(acc, da[kk],
+                                  wgmma_desc_sw128_mn(q_st + half * L::kTokSlab + kk * 16 * 128, L::kTokSlab),
+                                  kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operands(acc);
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          acc_add_tile(fa.dkp_acc, kat_lo + 64 * half + 8 * j, kat_hi + 64 * half + 8 * j, key_lo < bc.seq_len,
+                       key_lo + 8 < bc.seq_len, acc[4 * j] * fa.scale_p, acc[4 * j + 1] * fa.scale_p,
+                       acc[4 * j + 2] * fa.scale_p, acc[4 * j + 3] * fa.scale_p, 0.f, c4);
+      }
+
+      // dqp = dS_p Kp through the shared dS tile, as dQ.
+      bar_sync(kBarDsFree, L::kConsumers);
+      store_ds_frags(sdS, da, kr, c4);
+      fence_proxy_async_shared();
+      bar_sync(kBarDsReady, L::kConsumers);
+      float dqp[32];
+      wgmma_fence();
+      ss_tokens_by_keys(dqp, ds_base, kp_base, cw);
+      wgmma_commit();
+      const int t_lo = tm.tok[trow], t_hi = tm.tok[trow + 8];
+      wgmma_wait<0>();
+      wgmma_fence_operands(dqp);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) wgmma_fence_operands(da[kk]);  // A operand of the dkp products
+      ::cuda::ptx::mbarrier_arrive(empty + st);  // Qp and the metadata of this stage are read
+      const int64_t at_lo = (static_cast<int64_t>(t_lo < 0 ? 0 : t_lo) * Hp + p) * D + 64 * cw + 2 * c4;
+      const int64_t at_hi = (static_cast<int64_t>(t_hi < 0 ? 0 : t_hi) * Hp + p) * D + 64 * cw + 2 * c4;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        acc_add_tile(fa.dqp_acc, at_lo + 8 * j, at_hi + 8 * j, t_lo >= 0, t_hi >= 0, dqp[4 * j] * fa.scale_p,
+                     dqp[4 * j + 1] * fa.scale_p, dqp[4 * j + 2] * fa.scale_p, dqp[4 * j + 3] * fa.scale_p, 0.f,
+                     c4);
+    }
+  }
+
+  // dk, dv rows of this thread's keys; rows past the sequence end belong to another sequence.
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int key = bc.key0 + kr + 8 * half;
+    if (key >= bc.seq_len) continue;
+    const int64_t at = ((bc.seq_start + key) * Hkv + kvh) * D + 2 * c4;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      *reinterpret_cast<uint32_t*>(dk + at + 8 * j) =
+          pack_bf16x2(dK[4 * j + 2 * half] * scale, dK[4 * j + 2 * half + 1] * scale);
+      *reinterpret_cast<uint32_t*>(dv + at + 8 * j) = pack_bf16x2(dV[4 * j + 2 * half], dV[4 * j + 2 * half + 1]);
+    }
+  }
+
+  // The block's KL share, reduced in a fixed order.
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) kl += __shfl_xor_sync(0xffffffffu, kl, off);
+  if (lane == 0) sRed[ct >> 5] = kl;
+  bar_sync(kBarKl, L::kConsumers);
+  if (ct == 0) {
+    float total = 0.f;
+    for (int w = 0; w < 8; ++w) total += sRed[w];
+    fa.kl_part[static_cast<int64_t>(p) * ix.NB + g] = total;
+  }
+}
+
+}  // namespace flashmsa::cuda::bwd
