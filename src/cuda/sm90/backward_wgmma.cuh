@@ -78,6 +78,37 @@ __device__ __forceinline__ void wb_zero(float (&d)[N]) {
   for (int i = 0; i < N; ++i) d[i] = 0.f;
 }
 
+// 2^x on the SFU alone. exp2f wraps MUFU.EX2 in a range fix-up for results below 2^-126 (a
+// compare, two multiplies and predicate shuffling per element in the SASS); flushing those to
+// zero moves a probability by < 1.2e-38, which neither the bf16 operands nor the teacher sum
+// can see.
+__device__ __forceinline__ float wb_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// acc_add_tile's fp32 path without its even/odd branches: the two lanes of a pair swap half
+// their values (one shuffle each way), then every lane issues ONE predicated 16-byte RED
+// (relaxed, gpu scope: what atomicAdd on a float4 compiles to) at a selected address. The
+// branchy form diverges the warp into two passes per tile, and even a plain `if` around
+// atomicAdd becomes a BSSY/BRA/BSYNC region; the predicate keeps the warp converged. Same
+// atomics, same addresses, same values.
+__device__ __forceinline__ void wb_red_tile(float* base, int64_t at_lo, int64_t at_hi, bool ok_lo, bool ok_hi,
+                                            float x0, float x1, float y0, float y1, int c4) {
+  const bool even = (c4 & 1) == 0;
+  const float r0 = __shfl_xor_sync(0xffffffffu, even ? y0 : x0, 1);
+  const float r1 = __shfl_xor_sync(0xffffffffu, even ? y1 : x1, 1);
+  const float v0 = even ? x0 : r0, v1 = even ? x1 : r1, v2 = even ? r0 : y0, v3 = even ? r1 : y1;
+  const float* dst = base + (even ? at_lo : at_hi - 2);
+  const int ok = (even ? ok_lo : ok_hi) ? 1 : 0;
+  asm volatile(
+      "{\n.reg .pred q;\nsetp.ne.b32 q, %5, 0;\n"
+      "@q red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n}\n" ::"l"(dst),
+      "f"(v0), "f"(v1), "f"(v2), "f"(v3), "r"(ok)
+      : "memory");
+}
+
 // Stores a 64-key x 64-token dS^T accumulator (as its bf16 A fragments, a[kk] = columns
 // 16kk..16kk+15) into rows r0.. of the shared [128][64] dS^T tile.
 __device__ __forceinline__ void store_ds_frags(unsigned char* ds, const uint32_t (&a)[4][4], int r0, int c4) {
@@ -122,10 +153,13 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     FoldArgs fa) {
   using L = WgBwd;
   constexpr int D = L::kD;
-  extern __shared__ unsigned char wb_smem_raw[];
-  // The 128-byte swizzle and the wgmma descriptors need 1024-byte aligned tiles.
-  unsigned char* smem = reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<uintptr_t>(wb_smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
+  extern __shared__ __align__(16) unsigned char wb_smem_raw[];
+  // The 128-byte swizzle and the wgmma descriptors need 1024-byte aligned tiles. The base is
+  // moved by an offset from the shared array (not rebuilt from an integer), so the compiler
+  // still knows every pointer below is shared memory and emits LDS/STS: through a uintptr_t
+  // round trip it used generic LD/ST with 64-bit addresses for the teacher sums, the metadata
+  // and the dS tile (slower, and two registers per address).
+  unsigned char* smem = wb_smem_raw + ((1024u - (smem_u32(wb_smem_raw) & 1023u)) & 1023u);
   unsigned char* sK = smem + L::oK;     // [128][128] slab layout
   unsigned char* sV = smem + L::oV;     // [128][128]
   unsigned char* sKp = smem + L::oKp;   // [128][128]
@@ -284,7 +318,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int key = bc.key0 + kr + 8 * (e >> 1);
-          sT[4 * j + e] = key <= tpv[e & 1] ? exp2f(fmaf(sT[4 * j + e], scale2, nl[e & 1])) : 0.f;
+          sT[4 * j + e] = key <= tpv[e & 1] ? wb_exp2(fmaf(sT[4 * j + e], scale2, nl[e & 1])) : 0.f;
         }
       }
       // Teacher sums (thread-private, no barrier), zeroed by the tile's proxy step.
@@ -348,8 +382,8 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       const int64_t at_hi = (static_cast<int64_t>(t_hi < 0 ? 0 : t_hi) * H + h) * D + 64 * cw + 2 * c4;
 #pragma unroll
       for (int j = 0; j < 8; ++j)
-        acc_add_tile(dq_acc, at_lo + 8 * j, at_hi + 8 * j, t_lo >= 0, t_hi >= 0, dq[4 * j] * scale,
-                     dq[4 * j + 1] * scale, dq[4 * j + 2] * scale, dq[4 * j + 3] * scale, 0.f, c4);
+        wb_red_tile(dq_acc, at_lo + 8 * j, at_hi + 8 * j, t_lo >= 0, t_hi >= 0, dq[4 * j] * scale,
+                    dq[4 * j + 1] * scale, dq[4 * j + 2] * scale, dq[4 * j + 3] * scale, c4);
     } else {
       // ---------------------------------------------------------- proxy step (Qp in the Q slot)
       float sp[32];
@@ -403,9 +437,9 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
         wgmma_fence_operands(acc);
 #pragma unroll
         for (int j = 0; j < 8; ++j)
-          acc_add_tile(fa.dkp_acc, kat_lo + 64 * half + 8 * j, kat_hi + 64 * half + 8 * j, key_lo < bc.seq_len,
-                       key_lo + 8 < bc.seq_len, acc[4 * j] * fa.scale_p, acc[4 * j + 1] * fa.scale_p,
-                       acc[4 * j + 2] * fa.scale_p, acc[4 * j + 3] * fa.scale_p, 0.f, c4);
+          wb_red_tile(static_cast<float*>(fa.dkp_acc), kat_lo + 64 * half + 8 * j, kat_hi + 64 * half + 8 * j,
+                      key_lo < bc.seq_len, key_lo + 8 < bc.seq_len, acc[4 * j] * fa.scale_p,
+                      acc[4 * j + 1] * fa.scale_p, acc[4 * j + 2] * fa.scale_p, acc[4 * j + 3] * fa.scale_p, c4);
       }
 
       // dqp = dS_p Kp through the shared dS tile, as dQ.
@@ -427,9 +461,9 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       const int64_t at_hi = (static_cast<int64_t>(t_hi < 0 ? 0 : t_hi) * Hp + p) * D + 64 * cw + 2 * c4;
 #pragma unroll
       for (int j = 0; j < 8; ++j)
-        acc_add_tile(fa.dqp_acc, at_lo + 8 * j, at_hi + 8 * j, t_lo >= 0, t_hi >= 0, dqp[4 * j] * fa.scale_p,
-                     dqp[4 * j + 1] * fa.scale_p, dqp[4 * j + 2] * fa.scale_p, dqp[4 * j + 3] * fa.scale_p, 0.f,
-                     c4);
+        wb_red_tile(static_cast<float*>(fa.dqp_acc), at_lo + 8 * j, at_hi + 8 * j, t_lo >= 0, t_hi >= 0,
+                    dqp[4 * j] * fa.scale_p, dqp[4 * j + 1] * fa.scale_p, dqp[4 * j + 2] * fa.scale_p,
+                    dqp[4 * j + 3] * fa.scale_p, c4);
     }
   }
 
