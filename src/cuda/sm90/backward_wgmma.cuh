@@ -19,6 +19,9 @@
 //     registers), dS^T to a shared [128 keys][64 tok] tile, dQ[:, 64w..] = dS K (SS) -> atomics.
 //     Proxy step: S_p^T = Kp_w Qp^T, KL terms, dS_p^T = c (Qs - Tch), dkp share = dS_p^T Qp (RS,
 //     two 64-column halves -> atomics), dqp = dS_p Kp via the shared dS tile -> atomics.
+//     Software pipelined by one product: step s+1's S^T (or S_p^T) is issued right behind step
+//     s's dQ (dqp) and runs under step s's atomics; the stage is released (empty) as soon as
+//     dV/dK (dkp) are done, before dQ (dqp), which reads only the dS tile and K (Kp).
 //   End: dK (times scale), dV to bf16 in dk/dv; the block's KL share into kl_part in a fixed order.
 //
 // Operand orientation (every tile bf16, 64-column slabs of R rows x 128 B, 128-byte swizzle):
@@ -282,31 +285,55 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
 #pragma unroll
   for (int j = 0; j < 8; ++j) slots[j * L::kConsumers] = make_float4(0.f, 0.f, 0.f, 0.f);
 
+  // The first product of step s (S^T = K_w Q^T at a head step, S_p^T = Kp_w Qp^T at a proxy
+  // step: the same 64 x 64 x 128 SS shape on the stage's token tile) into s1. Issued at the END
+  // of step s-1, right after its dQ / dqp product: it then runs on the tensor cores under step
+  // s-1's atomics (both warpgroups reach that phase together, so without it the tensor cores
+  // idle through every atomics phase). One call site in the loop, unconditional (a first
+  // version with a conditional copy in each branch got s1 two register sets and ptxas
+  // serialised every wgmma of the kernel, C7515): after the last step it runs once on a stale
+  // stage (nothing writes it any more) and the result is dropped; only the barrier wait is
+  // skipped there. Check `-Xptxas -v` for C75xx "wgmma ... serialized" after any change here.
+  float s1[32];
+  auto wait_full = [&](int s) {
+    if (s < steps) mbarrier_wait(full + (s & 1), (s >> 1) & 1);
+    fence_proxy_async_shared();  // the stage was written by cp.async (generic proxy); wgmma reads it
+  };
+  auto issue_first = [&](int s) {
+    const int st = s & 1;
+    wgmma_fence();
+    ss_kmajor_64x64(s1, (s % (m + 1) < m ? k_base : kp_base) + 64 * cw * 128, kBlk,
+                    smem_u32(sQ + st * L::kTokTile));
+    wgmma_commit();
+  };
+
   if (steps > 0) {
     mbarrier_wait(kv_full, 0);
     fence_proxy_async_shared();
+    wait_full(0);
+    issue_first(0);
   }
 
   for (int s = 0; s < steps; ++s) {
     const int st = s & 1, hi = s % (m + 1);
-    mbarrier_wait(full + st, (s >> 1) & 1);
-    fence_proxy_async_shared();  // the stage was written by cp.async (generic proxy); wgmma reads it
-    const TokMeta& tm = meta[st];
+    const bool head = hi < m;
+    const TokMeta& tm = meta[st];  // the full barrier of stage st was waited in wait_full(s)
     const uint32_t q_st = smem_u32(sQ + st * L::kTokTile);
     const int trow = 16 * wi + g4;  // this thread's token rows of dQ / dqp: trow, trow + 8
+    int t_lo, t_hi;
 
-    if (hi < m) {
+    if (head) {
       // ---------------------------------------------------------- head step
-      const int h = p * m + hi;
       const uint32_t do_st = smem_u32(sdO + st * L::kTokTile);
-      float sT[32], dpT[32];
+      // S^T (issued under the previous step's atomics, normally finished by now) is retired
+      // BEFORE dP^T is issued: a wait<1> here, with S^T's group coming in over the loop's back
+      // edge, is more than ptxas can track, and it then serialises every wgmma (C7514).
+      wgmma_wait<0>();
+      wgmma_fence_operands(s1);
+      float dpT[32];
       wgmma_fence();
-      ss_kmajor_64x64(sT, k_base + 64 * cw * 128, kBlk, q_st);
-      wgmma_commit();
       ss_kmajor_64x64(dpT, v_base + 64 * cw * 128, kBlk, do_st);
       wgmma_commit();
-      wgmma_wait<1>();
-      wgmma_fence_operands(sT);
       // P^T while dP^T is still on the tensor cores.
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -318,17 +345,18 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int key = bc.key0 + kr + 8 * (e >> 1);
-          sT[4 * j + e] = key <= tpv[e & 1] ? wb_exp2(fmaf(sT[4 * j + e], scale2, nl[e & 1])) : 0.f;
+          s1[4 * j + e] = key <= tpv[e & 1] ? wb_exp2(fmaf(s1[4 * j + e], scale2, nl[e & 1])) : 0.f;
         }
       }
-      // Teacher sums (thread-private, no barrier), zeroed by the tile's proxy step.
+      // Teacher sums (thread-private, no barrier), zeroed by the tile's proxy step. Shared memory,
+      // not registers: 32 more live registers here (dK, dV, P^T, dP^T in flight) spill.
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         float4 a = slots[j * L::kConsumers];
-        a.x += sT[4 * j];
-        a.y += sT[4 * j + 1];
-        a.z += sT[4 * j + 2];
-        a.w += sT[4 * j + 3];
+        a.x += s1[4 * j];
+        a.y += s1[4 * j + 1];
+        a.z += s1[4 * j + 2];
+        a.w += s1[4 * j + 3];
         slots[j * L::kConsumers] = a;
       }
       wgmma_wait<0>();
@@ -338,13 +366,13 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
         const float2 ax = *reinterpret_cast<const float2*>(&tm.aux[8 * j + 2 * c4]);
         const float axv[2] = {ax.x, ax.y};
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dpT[4 * j + e] = sT[4 * j + e] * (dpT[4 * j + e] - axv[e & 1]);
+        for (int e = 0; e < 4; ++e) dpT[4 * j + e] = s1[4 * j + e] * (dpT[4 * j + e] - axv[e & 1]);
       }
       // Packed only now: P^T and dS^T in fp32 and bf16 at once would cost 32 more registers.
       uint32_t pa[4][4], da[4][4];
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
-        acc_to_a_frag(pa[kk], sT + 8 * kk);
+        acc_to_a_frag(pa[kk], s1 + 8 * kk);
         acc_to_a_frag(da[kk], dpT + 8 * kk);
       }
 
@@ -358,40 +386,29 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
         wgmma_rs_bf16<128, 1>(dK, da[kk], wgmma_desc_sw128_mn(q_st + kk * 16 * 128, L::kTokSlab), 1);
       wgmma_commit();
 
-      // dS^T into the shared tile for dQ, which needs all 128 keys (both WGs' halves).
+      // dS^T into the shared tile for dQ, which needs all 128 keys (both WGs' halves). DsFree:
+      // each WG waited for its previous dQ / dqp product before its previous atomics.
       bar_sync(kBarDsFree, L::kConsumers);
       store_ds_frags(sdS, da, kr, c4);
       fence_proxy_async_shared();
       bar_sync(kBarDsReady, L::kConsumers);
-      float dq[32];
-      wgmma_fence();
-      ss_tokens_by_keys(dq, ds_base, k_base, cw);
-      wgmma_commit();
-      const int t_lo = tm.tok[trow], t_hi = tm.tok[trow + 8];
+      t_lo = tm.tok[trow];
+      t_hi = tm.tok[trow + 8];
+      // dV, dK done before dQ is issued: then P^T / dS^T (their register A operands) are free
+      // while dQ and the next step's S^T are in flight (all of them at once would not fit in
+      // 240 registers). They were issued before the two barriers, so this rarely waits long.
       wgmma_wait<0>();
-      wgmma_fence_operands(dq);
       wgmma_fence_operands(dK);
       wgmma_fence_operands(dV);
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {  // register A operands of the RS products: live until here
+      for (int kk = 0; kk < 4; ++kk) {
         wgmma_fence_operands(pa[kk]);
         wgmma_fence_operands(da[kk]);
       }
-      ::cuda::ptx::mbarrier_arrive(empty + st);  // Q, dO and the metadata of this stage are read
-      const int64_t at_lo = (static_cast<int64_t>(t_lo < 0 ? 0 : t_lo) * H + h) * D + 64 * cw + 2 * c4;
-      const int64_t at_hi = (static_cast<int64_t>(t_hi < 0 ? 0 : t_hi) * H + h) * D + 64 * cw + 2 * c4;
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        wb_red_tile(dq_acc, at_lo + 8 * j, at_hi + 8 * j, t_lo >= 0, t_hi >= 0, dq[4 * j] * scale,
-                    dq[4 * j + 1] * scale, dq[4 * j + 2] * scale, dq[4 * j + 3] * scale, c4);
     } else {
       // ---------------------------------------------------------- proxy step (Qp in the Q slot)
-      float sp[32];
-      wgmma_fence();
-      ss_kmajor_64x64(sp, kp_base + 64 * cw * 128, kBlk, q_st);
-      wgmma_commit();
-      wgmma_wait<0>();
-      wgmma_fence_operands(sp);
+      wgmma_wait<0>();  // S_p^T (issued by the previous step)
+      wgmma_fence_operands(s1);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int col = 8 * j + 2 * c4;
@@ -407,17 +424,17 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
           const int key = bc.key0 + kr + 8 * (e >> 1);
           float ds = 0.f;
           if (key <= tpv[e & 1]) {
-            const float log_qs = sp[4 * j + e] * fa.scale_p - lsv[e & 1];
+            const float log_qs = s1[4 * j + e] * fa.scale_p - lsv[e & 1];
             const float te = tsum[e] * inv_m;
             if (te > 0.f) kl += te * (__logf(te) - log_qs);
             ds = c_kl * (__expf(log_qs) - te);
           }
-          sp[4 * j + e] = ds;
+          s1[4 * j + e] = ds;
         }
       }
       uint32_t da[4][4];
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) acc_to_a_frag(da[kk], sp + 8 * kk);
+      for (int kk = 0; kk < 4; ++kk) acc_to_a_frag(da[kk], s1 + 8 * kk);
 
       // dkp share of this tile, rows = this WG's keys, in two 64-column halves (32 registers each).
       const int key_lo = bc.key0 + kr;
@@ -441,31 +458,42 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
                       key_lo < bc.seq_len, key_lo + 8 < bc.seq_len, acc[4 * j] * fa.scale_p,
                       acc[4 * j + 1] * fa.scale_p, acc[4 * j + 2] * fa.scale_p, acc[4 * j + 3] * fa.scale_p, c4);
       }
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) wgmma_fence_operands(da[kk]);  // A operand of the dkp products
 
-      // dqp = dS_p Kp through the shared dS tile, as dQ.
+      // dqp = dS_p Kp through the shared dS tile, as dQ (below).
       bar_sync(kBarDsFree, L::kConsumers);
       store_ds_frags(sdS, da, kr, c4);
       fence_proxy_async_shared();
       bar_sync(kBarDsReady, L::kConsumers);
-      float dqp[32];
-      wgmma_fence();
-      ss_tokens_by_keys(dqp, ds_base, kp_base, cw);
-      wgmma_commit();
-      const int t_lo = tm.tok[trow], t_hi = tm.tok[trow + 8];
-      wgmma_wait<0>();
-      wgmma_fence_operands(dqp);
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) wgmma_fence_operands(da[kk]);  // A operand of the dkp products
-      ::cuda::ptx::mbarrier_arrive(empty + st);  // Qp and the metadata of this stage are read
-      const int64_t at_lo = (static_cast<int64_t>(t_lo < 0 ? 0 : t_lo) * Hp + p) * D + 64 * cw + 2 * c4;
-      const int64_t at_hi = (static_cast<int64_t>(t_hi < 0 ? 0 : t_hi) * Hp + p) * D + 64 * cw + 2 * c4;
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        wb_red_tile(static_cast<float*>(fa.dqp_acc), at_lo + 8 * j, at_hi + 8 * j, t_lo >= 0, t_hi >= 0,
-                    dqp[4 * j] * fa.scale_p, dqp[4 * j + 1] * fa.scale_p, dqp[4 * j + 2] * fa.scale_p,
-                    dqp[4 * j + 3] * fa.scale_p, c4);
+      t_lo = tm.tok[trow];
+      t_hi = tm.tok[trow + 8];
     }
+    // The stage (Q / Qp, dO, metadata) is no longer read: dQ / dqp read the dS tile and K / Kp.
+    ::cuda::ptx::mbarrier_arrive(empty + st);
+
+    // dQ[:, 64cw..] = dS K (head step) or dqp[:, 64cw..] = dS_p Kp (proxy step), then the next
+    // step's first product, then the atomics under it.
+    float dq[32];
+    wgmma_fence();
+    ss_tokens_by_keys(dq, ds_base, head ? k_base : kp_base, cw);
+    wgmma_commit();
+    wait_full(s + 1);
+    issue_first(s + 1);
+    wgmma_wait<1>();  // dQ / dqp done
+    wgmma_fence_operands(dq);
+    float* const red_base = head ? dq_acc : static_cast<float*>(fa.dqp_acc);
+    const int rows = head ? H : Hp, hr = head ? p * m + hi : p;  // [T, rows, 128], row hr
+    const float f = head ? scale : fa.scale_p;
+    const int64_t at_lo = (static_cast<int64_t>(t_lo < 0 ? 0 : t_lo) * rows + hr) * D + 64 * cw + 2 * c4;
+    const int64_t at_hi = (static_cast<int64_t>(t_hi < 0 ? 0 : t_hi) * rows + hr) * D + 64 * cw + 2 * c4;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      wb_red_tile(red_base, at_lo + 8 * j, at_hi + 8 * j, t_lo >= 0, t_hi >= 0, dq[4 * j] * f, dq[4 * j + 1] * f,
+                  dq[4 * j + 2] * f, dq[4 * j + 3] * f, c4);
   }
+  wgmma_wait<0>();  // the dropped product after the last step: no wgmma outlives the loop
+  wgmma_fence_operands(s1);
 
   // dk, dv rows of this thread's keys; rows past the sequence end belong to another sequence.
 #pragma unroll
