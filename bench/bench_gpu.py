@@ -191,6 +191,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--configs", default="m3,gqa8,fm16k")
     ap.add_argument("--quick", action="store_true", help="smallest size of each config only")
+    ap.add_argument("--seqlens", default=None, help="comma-separated sequence lengths instead of the config's")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--phases", default=None, help="flashmsa_run binary: also time each phase via the C++ API")
@@ -206,6 +207,8 @@ def main():
     for name in args.configs.split(","):
         H, Hkv, Hp, Hpk, D, K, BLK, sizes = CONFIGS[name]
         cfg = (H, Hkv, Hp, Hpk, D, K, BLK)
+        if args.seqlens:
+            sizes = [int(x) for x in args.seqlens.split(",")]
         for S in sizes[:1] if args.quick else sizes:
             torch.cuda.empty_cache()
             bf = torch.bfloat16
