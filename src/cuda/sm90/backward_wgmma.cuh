@@ -281,9 +281,9 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   wb_zero(dK);
   wb_zero(dV);
   float kl = 0.f;
-  // Thread-private teacher slots (slot j at slots[j * 256]), never zero-filled: head 0 of a
-  // tile discards what it reads, the tile's proxy step only reads (32 KB of stores less per tile).
-  float4* slots = sTch + ct;
+  float4* slots = sTch + ct;  // thread-private: slot j at slots[j * 256]
+#pragma unroll
+  for (int j = 0; j < 8; ++j) slots[j * L::kConsumers] = make_float4(0.f, 0.f, 0.f, 0.f);
 
   // The first product of step s (S^T = K_w Q^T at a head step, S_p^T = Kp_w Qp^T at a proxy
   // step: the same 64 x 64 x 128 SS shape on the stage's token tile) into s1. Issued at the END
@@ -348,15 +348,11 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
           s1[4 * j + e] = key <= tpv[e & 1] ? wb_exp2(fmaf(s1[4 * j + e], scale2, nl[e & 1])) : 0.f;
         }
       }
-      // Teacher sums (thread-private, no barrier); head 0 of the tile starts them. Shared memory,
-      // not registers: 32 more live registers here (dK, dV, P^T, dP^T in flight) spill. The
-      // restart is a select after the load: a predicated load (`if (hi > 0)`), the sums moved
-      // under dV/dK, or the metadata loaded ahead all cost ptxas registers it does not have
-      // (spills and/or C7512 serialised wgmmas; the kernel spills below 240 registers already).
+      // Teacher sums (thread-private, no barrier), zeroed by the tile's proxy step. Shared memory,
+      // not registers: 32 more live registers here (dK, dV, P^T, dP^T in flight) spill.
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         float4 a = slots[j * L::kConsumers];
-        if (hi == 0) a = make_float4(0.f, 0.f, 0.f, 0.f);
         a.x += s1[4 * j];
         a.y += s1[4 * j + 1];
         a.z += s1[4 * j + 2];
@@ -420,7 +416,8 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
         const float2 ls = *reinterpret_cast<const float2*>(&tm.lse[col]);  // the student's lse
         const int tpv[2] = {tp.x, tp.y};
         const float lsv[2] = {ls.x, ls.y};
-        const float4 t4 = slots[j * L::kConsumers];  // not reset: the next tile's head 0 restarts it
+        const float4 t4 = slots[j * L::kConsumers];
+        slots[j * L::kConsumers] = make_float4(0.f, 0.f, 0.f, 0.f);  // the next tile starts from zero
         const float tsum[4] = {t4.x, t4.y, t4.z, t4.w};
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
