@@ -151,7 +151,8 @@ void check_forward_case(const Shape& s, uint64_t seed) {
 }
 
 // The M3 group shape (m = 16 heads on one kv head, 4 proxy heads on one proxy key head), a
-// few thousand tokens, T not a multiple of 128, more blocks than K.
+// few thousand tokens, T not a multiple of 128, more blocks than K. The KL value takes the
+// KV-major route (launch_kl_value) behind the query-major forward.
 TEST(CudaForward, M3GroupD128) {
   GPUTEST_REQUIRE_DEVICE();
   check_forward_case(shape(64, 4, 4, 1, 128, 16, {3001}), 11);
@@ -312,26 +313,32 @@ TEST(CudaForward, WideTopKKlRows) {
   check_wide_case(shape(12, 3, 2, 1, 64, 70, kWideLengths), 65, true);
 }
 
-// FLASHMSA_FORWARD_PATH for one scope (nullptr: unset, the default routing), restored after.
-class ScopedForwardPath {
+// An environment variable for one scope (nullptr: unset), restored after.
+class ScopedEnv {
  public:
-  explicit ScopedForwardPath(const char* value) {
-    const char* old = std::getenv("FLASHMSA_FORWARD_PATH");
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
     had_ = old != nullptr;
     if (had_) old_ = old;
-    if (value != nullptr) setenv("FLASHMSA_FORWARD_PATH", value, 1);
-    else unsetenv("FLASHMSA_FORWARD_PATH");
+    if (value != nullptr) setenv(name, value, 1);
+    else unsetenv(name);
   }
-  ~ScopedForwardPath() {
-    if (had_) setenv("FLASHMSA_FORWARD_PATH", old_.c_str(), 1);
-    else unsetenv("FLASHMSA_FORWARD_PATH");
+  ~ScopedEnv() {
+    if (had_) setenv(name_.c_str(), old_.c_str(), 1);
+    else unsetenv(name_.c_str());
   }
-  ScopedForwardPath(const ScopedForwardPath&) = delete;
-  ScopedForwardPath& operator=(const ScopedForwardPath&) = delete;
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
 
  private:
+  std::string name_;
   bool had_ = false;
   std::string old_;
+};
+
+// FLASHMSA_FORWARD_PATH for one scope (nullptr: unset, the default routing).
+struct ScopedForwardPath : ScopedEnv {
+  explicit ScopedForwardPath(const char* value) : ScopedEnv("FLASHMSA_FORWARD_PATH", value) {}
 };
 
 // The KV-major path (forward_kv.cu: groups of m = 2, 4, 8, 16 heads on one kv head, D = 128, not
@@ -548,6 +555,58 @@ TEST(CudaForward, MsaForwardMatchesAndIsDeterministic) {
   EXPECT_EQ(b.o, a.o);
   EXPECT_EQ(b.lse, a.lse);
   EXPECT_EQ(std::memcmp(&b.kl, &a.kl, 4), 0) << b.kl << " vs " << a.kl;
+}
+
+// The KL value KV-major (launch_kl_value: the wgmma backward's KL_ONLY kernel after the
+// query-major forward) at m = 16 on one kv head, Hkv = Hp, D = 128: against the CPU backend and
+// the old route (FLASHMSA_BACKWARD_PATH=mma: the forward kernel's fused KL pass) within 1e-4;
+// o and lse do not depend on the route; deterministic mode takes the same route (it has no
+// atomics) and reruns bitwise.
+TEST(CudaForward, KlValueKvMajor) {
+  GPUTEST_REQUIRE_DEVICE();
+  ScopedForwardPath unset(nullptr);  // m = 16: the query-major forward
+  Problem pr;
+  gputest::make_problem(pr, shape(16, 1, 1, 1, 128, 16, {2300, 517}), 91);
+  GpuForward kv, old;
+  {
+    ScopedEnv path("FLASHMSA_BACKWARD_PATH", nullptr);
+    kv = run_gpu(pr);
+  }
+  if (::testing::Test::HasFatalFailure()) return;
+  {
+    ScopedEnv path("FLASHMSA_BACKWARD_PATH", "mma");
+    old = run_gpu_on(pr, kv.sel, /*with_kl=*/true);
+  }
+  if (::testing::Test::HasFatalFailure()) return;
+  ASSERT_EQ(gputest::count_nonfinite(kv.o), 0) << "o has unwritten (NaN) elements";
+  ASSERT_EQ(gputest::count_nonfinite(kv.lse), 0) << "lse has unwritten (NaN) elements";
+  ASSERT_TRUE(std::isfinite(kv.kl)) << "kl not written";
+  ASSERT_TRUE(std::isfinite(old.kl)) << "kl not written (old route)";
+  EXPECT_EQ(kv.o, old.o) << "o depends on the KL route";
+  EXPECT_EQ(kv.lse, old.lse) << "lse depends on the KL route";
+  EXPECT_LT(rel_err(kv.kl, old.kl), 1e-4) << "kl KV-major " << kv.kl << " vs old route " << old.kl;
+
+  CpuForward c;
+  if (!run_cpu_forward(pr, kv.sel, c)) return;
+  EXPECT_GT(c.kl, 0.f) << "a KL of zero would make the check vacuous";
+  EXPECT_LT(rel_err(kv.kl, c.kl), 1e-4) << "kl vs CPU backend: gpu " << kv.kl << " cpu " << c.kl;
+  EXPECT_LT(gputest::rel_l2(kv.o, c.o), 1e-2) << "o rel L2 vs CPU backend";
+  EXPECT_LT(gputest::max_abs_diff(kv.lse, c.lse), 1e-3) << "lse max abs vs CPU backend";
+
+  auto run_det = [&]() {
+    DeviceForward d(pr);
+    d.sel.upload(kv.sel);
+    auto opt = pr.options();
+    opt.deterministic = true;
+    flashmsa::sparse_attention_forward(pr.device_inputs(), d.sel_v(), opt, d.o_v(), d.lse_v(), d.kl_v());
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    return d.take();
+  };
+  const GpuForward d1 = run_det(), d2 = run_det();
+  ASSERT_TRUE(std::isfinite(d1.kl)) << "kl not written (deterministic)";
+  EXPECT_EQ(std::memcmp(&d1.kl, &d2.kl, 4), 0) << d1.kl << " vs " << d2.kl;
+  EXPECT_LT(rel_err(d1.kl, c.kl), 1e-4) << "kl (deterministic) vs CPU backend";
+  std::printf("    kl KV-major %.7f, old route %.7f, cpu %.7f\n", kv.kl, old.kl, c.kl);
 }
 
 // Without a kl output the forward still writes o and lse.

@@ -23,6 +23,8 @@
 //     s's dQ (dqp) and runs under step s's atomics; the stage is released (empty) as soon as
 //     dV/dK (dkp) are done, before dQ (dqp), which reads only the dS tile and K (Kp).
 //   End: dK (times scale), dV to bf16 in dk/dv; the block's KL share into kl_part in a fixed order.
+// KL_ONLY (the forward's KL value, launch_kl_value in fused_backward.cu): only S^T, P^T, the
+// teacher sum and the KL terms of the above, K, Kp and Q / Qp loaded, no atomics at all.
 //
 // Operand orientation (every tile bf16, 64-column slabs of R rows x 128 B, 128-byte swizzle):
 //   S^T, dP^T, S_p^T : A = K/V/Kp rows 64w.. (K-major), B = Q/dO/Qp (K-major)
@@ -38,10 +40,18 @@
 
 namespace flashmsa::cuda::bwd {
 
-struct WgBwd {
+// Shared-memory plan. KL_ONLY (the forward's KL value, launch_kl_value): no V, dO, dS tile or
+// teacher slots (its teacher sums live in registers), and the freed space goes to a deeper ring
+// of token tiles: one step there is a single 64 x 64 x 128 product plus the softmax, too short
+// to hide a gathered tile's load behind one step of lead. KL_ONLY = false is the plan the full
+// backward always had (same offsets).
+template <bool KL_ONLY>
+struct WgLayout {
   static constexpr int kD = 128;
   static constexpr int kThreads = 384;        // producer WG + 2 consumer WGs
   static constexpr int kConsumers = 256;
+  static constexpr int kStageLog = KL_ONLY ? 3 : 1;
+  static constexpr int kStages = 1 << kStageLog;        // ring of token tiles (a power of two)
   static constexpr int kKeyTile = kBlk * kD * 2;        // [128][128] bf16: K, V, Kp
   static constexpr int kTokTile = kTileTok * kD * 2;    // [64][128] bf16: Q, dO, Qp
   static constexpr int kKeySlab = kBlk * 128;           // one 64-column slab of a key tile
@@ -51,18 +61,21 @@ struct WgBwd {
   // Byte offsets from the 1024-aligned base.
   static constexpr int oK = 0;
   static constexpr int oV = oK + kKeyTile;
-  static constexpr int oKp = oV + kKeyTile;
-  static constexpr int oQ = oKp + kKeyTile;            // 2 stages (Q, or Qp at a proxy step)
-  static constexpr int odO = oQ + 2 * kTokTile;        // 2 stages
-  static constexpr int odS = odO + 2 * kTokTile;
-  static constexpr int oTch = odS + kDsTile;
-  static constexpr int oMeta = oTch + kTchBytes;       // 2 x TokMeta
-  static constexpr int oRed = oMeta + 2 * static_cast<int>(sizeof(TokMeta));  // [8] fp32 (64 B)
-  static constexpr int oBar = oRed + 64;               // full[2], empty[2], kv_full
-  static constexpr int kBytes = oBar + 5 * 8;
+  static constexpr int oKp = oV + (KL_ONLY ? 0 : kKeyTile);
+  static constexpr int oQ = oKp + kKeyTile;            // kStages stages (Q, or Qp at a proxy step)
+  static constexpr int odO = oQ + kStages * kTokTile;  // kStages stages
+  static constexpr int odS = odO + (KL_ONLY ? 0 : kStages * kTokTile);
+  static constexpr int oTch = odS + (KL_ONLY ? 0 : kDsTile);
+  static constexpr int oMeta = oTch + (KL_ONLY ? 0 : kTchBytes);  // kStages x TokMeta
+  static constexpr int oRed = oMeta + kStages * static_cast<int>(sizeof(TokMeta));  // [8] fp32 (64 B)
+  static constexpr int oBar = oRed + 64;               // full[kStages], empty[kStages], kv_full
+  static constexpr int kBytes = oBar + (2 * kStages + 1) * 8;
   static constexpr int kSmem = kBytes + 1024;          // + alignment slack of the dynamic base
 };
+using WgBwd = WgLayout<false>;
+using WgKl = WgLayout<true>;
 static_assert(WgBwd::kSmem <= 227 * 1024, "the wgmma backward must fit in one SM's shared memory");
+static_assert(WgKl::kSmem <= 227 * 1024, "the KL-only kernel must fit in one SM's shared memory");
 
 // Named barriers of the two consumer warpgroups (0 is __syncthreads; the producer never joins).
 constexpr int kBarDsFree = 1;   // both WGs finished the MMA that read the previous dS tile
@@ -142,6 +155,16 @@ __device__ __forceinline__ void ss_tokens_by_keys(float (&acc)[32], uint32_t ds_
                             ks > 0);
 }
 
+// KL_ONLY = false: the full backward described at the top. KL_ONLY = true: the forward's KL
+// value alone (launch_kl_value): per head step only S^T and the teacher sum, per proxy step only
+// the KL terms, then the block's share into kl_part; v, d_o, di, dq_acc, dk, dv and fa's dqp_acc,
+// dkp_acc, kl_grad, c_base are not read. Its teacher sums stay in registers (no dK, dV there),
+// its 8-stage ring covers the gathered loads, and the next step's S^T is issued as soon as the
+// stage is released; the two consumer warpgroups have no barrier between them there, so one's
+// softmax runs under the other's product. Same loop as the full kernel, its extra work cut out
+// by `if constexpr` (the full instantiation compiles to the same PTX as before KL_ONLY existed;
+// helpers factored out of the loop did not: inlining renumbered its registers).
+template <bool KL_ONLY>
 __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     const bf16* __restrict__ q,    // [T, H, 128]
     const bf16* __restrict__ k,    // [T, Hkv, 128]
@@ -154,7 +177,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     bf16* __restrict__ dk,         // [T, Hkv, 128] (owned: this CTA is the only writer of its rows)
     bf16* __restrict__ dv,         // [T, Hkv, 128]
     FoldArgs fa) {
-  using L = WgBwd;
+  using L = WgLayout<KL_ONLY>;
   constexpr int D = L::kD;
   extern __shared__ __align__(16) unsigned char wb_smem_raw[];
   // The 128-byte swizzle and the wgmma descriptors need 1024-byte aligned tiles. The base is
@@ -164,17 +187,17 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   // and the dS tile (slower, and two registers per address).
   unsigned char* smem = wb_smem_raw + ((1024u - (smem_u32(wb_smem_raw) & 1023u)) & 1023u);
   unsigned char* sK = smem + L::oK;     // [128][128] slab layout
-  unsigned char* sV = smem + L::oV;     // [128][128]
+  unsigned char* sV = smem + L::oV;     // [128][128] (not with KL_ONLY)
   unsigned char* sKp = smem + L::oKp;   // [128][128]
-  unsigned char* sQ = smem + L::oQ;     // 2 x [64][128]: Q of the step's head, or Qp
-  unsigned char* sdO = smem + L::odO;   // 2 x [64][128]
+  unsigned char* sQ = smem + L::oQ;     // kStages x [64][128]: Q of the step's head, or Qp
+  unsigned char* sdO = smem + L::odO;   // 2 x [64][128] (not with KL_ONLY, as the two below)
   unsigned char* sdS = smem + L::odS;   // [128 keys][64 tok] dS^T (or dS_p^T)
   float4* sTch = reinterpret_cast<float4*>(smem + L::oTch);     // [8][256] float4 teacher sums
-  TokMeta* meta = reinterpret_cast<TokMeta*>(smem + L::oMeta);  // 2 stages; lse = student lse at proxy steps
+  TokMeta* meta = reinterpret_cast<TokMeta*>(smem + L::oMeta);  // kStages; lse = student lse at proxy steps
   float* sRed = reinterpret_cast<float*>(smem + L::oRed);       // [8]
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::oBar);  // [2]
-  uint64_t* empty = full + 2;                                    // [2]
-  uint64_t* kv_full = full + 4;                                  // [1]
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::oBar);  // [kStages]
+  uint64_t* empty = full + L::kStages;                           // [kStages]
+  uint64_t* kv_full = full + 2 * L::kStages;                     // [1]
 
   // Same grid order as attn_bwd_kernel: proxy group fastest (here one segment = one group).
   const int g = blockIdx.x / Hp, p = blockIdx.x % Hp;
@@ -188,7 +211,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   if (threadIdx.x == 0) {
     // full: 128 cp.async arrivals (noinc) + 128 plain arrivals that release the st.shared
     // metadata; empty: every consumer thread.
-    for (int s = 0; s < 2; ++s) {
+    for (int s = 0; s < L::kStages; ++s) {
       ::cuda::ptx::mbarrier_init(full + s, 256);
       ::cuda::ptx::mbarrier_init(empty + s, L::kConsumers);
     }
@@ -212,7 +235,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
         const int64_t row = ok ? bc.seq_start + key : 0;
         const uint32_t off = rr * 128 + (c >> 3) * L::kKeySlab + (((c & 7) ^ (rr & 7)) << 4);
         cp_async_16(smem_u32(sK + off), k + (row * Hkv + kvh) * D + 8 * c, ok);
-        cp_async_16(smem_u32(sV + off), v + (row * Hkv + kvh) * D + 8 * c, ok);
+        if constexpr (!KL_ONLY) cp_async_16(smem_u32(sV + off), v + (row * Hkv + kvh) * D + 8 * c, ok);
         cp_async_16(smem_u32(sKp + off), fa.kp + (row * fa.Hpk + pk) * D + 8 * c, ok);
       }
     }
@@ -226,8 +249,8 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     const uint32_t o_dst = q_dst + (L::odO - L::oQ);
     int t = -1, i0 = bc.begin, hi = 0;
     for (int s = 0; s < steps; ++s) {
-      const int st = s & 1;
-      if (s >= 2) mbarrier_wait(empty + st, ((s >> 1) - 1) & 1);
+      const int st = s & (L::kStages - 1);
+      if (s >= L::kStages) mbarrier_wait(empty + st, ((s >> L::kStageLog) - 1) & 1);
       if (hi == 0) t = row < min(kTileTok, bc.end - i0) ? __ldg(ix.vals + i0 + row) / ix.K : -1;
       const bool ok = t >= 0;
       const int64_t tt = ok ? t : 0;
@@ -240,10 +263,10 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
 #pragma unroll
         for (int c = 0; c < 8; ++c) {
           cp_async_16(qs + ((c ^ sw) << 4), q + at + 8 * c, ok);
-          cp_async_16(os + ((c ^ sw) << 4), d_o + at + 8 * c, ok);
+          if constexpr (!KL_ONLY) cp_async_16(os + ((c ^ sw) << 4), d_o + at + 8 * c, ok);
         }
         if (half == 0) cp_async_4(smem_u32(&tm.lse[row]), lse + static_cast<int64_t>(h) * ix.T + tt, ok);
-        else cp_async_4(smem_u32(&tm.aux[row]), di + tt * H + h, ok);
+        else if constexpr (!KL_ONLY) cp_async_4(smem_u32(&tm.aux[row]), di + tt * H + h, ok);
       } else {
         const int64_t at = (tt * Hp + p) * D + 64 * half;
 #pragma unroll
@@ -281,9 +304,13 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   wb_zero(dK);
   wb_zero(dV);
   float kl = 0.f;
+  float tch[32];  // KL_ONLY: the teacher sums, in registers (no dK, dV there)
+  wb_zero(tch);
   float4* slots = sTch + ct;  // thread-private: slot j at slots[j * 256]
+  if constexpr (!KL_ONLY) {
 #pragma unroll
-  for (int j = 0; j < 8; ++j) slots[j * L::kConsumers] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int j = 0; j < 8; ++j) slots[j * L::kConsumers] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
 
   // The first product of step s (S^T = K_w Q^T at a head step, S_p^T = Kp_w Qp^T at a proxy
   // step: the same 64 x 64 x 128 SS shape on the stage's token tile) into s1. Issued at the END
@@ -296,11 +323,11 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   // skipped there. Check `-Xptxas -v` for C75xx "wgmma ... serialized" after any change here.
   float s1[32];
   auto wait_full = [&](int s) {
-    if (s < steps) mbarrier_wait(full + (s & 1), (s >> 1) & 1);
+    if (s < steps) mbarrier_wait(full + (s & (L::kStages - 1)), (s >> L::kStageLog) & 1);
     fence_proxy_async_shared();  // the stage was written by cp.async (generic proxy); wgmma reads it
   };
   auto issue_first = [&](int s) {
-    const int st = s & 1;
+    const int st = s & (L::kStages - 1);
     wgmma_fence();
     ss_kmajor_64x64(s1, (s % (m + 1) < m ? k_base : kp_base) + 64 * cw * 128, kBlk,
                     smem_u32(sQ + st * L::kTokTile));
@@ -315,12 +342,12 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   }
 
   for (int s = 0; s < steps; ++s) {
-    const int st = s & 1, hi = s % (m + 1);
+    const int st = s & (L::kStages - 1), hi = s % (m + 1);
     const bool head = hi < m;
     const TokMeta& tm = meta[st];  // the full barrier of stage st was waited in wait_full(s)
     const uint32_t q_st = smem_u32(sQ + st * L::kTokTile);
     const int trow = 16 * wi + g4;  // this thread's token rows of dQ / dqp: trow, trow + 8
-    int t_lo, t_hi;
+    int t_lo = -1, t_hi = -1;  // dQ / dqp rows: set by both steps of the full kernel
 
     if (head) {
       // ---------------------------------------------------------- head step
@@ -331,9 +358,11 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       wgmma_wait<0>();
       wgmma_fence_operands(s1);
       float dpT[32];
-      wgmma_fence();
-      ss_kmajor_64x64(dpT, v_base + 64 * cw * 128, kBlk, do_st);
-      wgmma_commit();
+      if constexpr (!KL_ONLY) {
+        wgmma_fence();
+        ss_kmajor_64x64(dpT, v_base + 64 * cw * 128, kBlk, do_st);
+        wgmma_commit();
+      }
       // P^T while dP^T is still on the tensor cores.
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -349,61 +378,69 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
         }
       }
       // Teacher sums (thread-private, no barrier), zeroed by the tile's proxy step. Shared memory,
-      // not registers: 32 more live registers here (dK, dV, P^T, dP^T in flight) spill.
+      // not registers: 32 more live registers here (dK, dV, P^T, dP^T in flight) spill. KL_ONLY
+      // has none of those: registers.
+      if constexpr (KL_ONLY) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        float4 a = slots[j * L::kConsumers];
-        a.x += s1[4 * j];
-        a.y += s1[4 * j + 1];
-        a.z += s1[4 * j + 2];
-        a.w += s1[4 * j + 3];
-        slots[j * L::kConsumers] = a;
+        for (int i = 0; i < 32; ++i) tch[i] += s1[i];
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          float4 a = slots[j * L::kConsumers];
+          a.x += s1[4 * j];
+          a.y += s1[4 * j + 1];
+          a.z += s1[4 * j + 2];
+          a.w += s1[4 * j + 3];
+          slots[j * L::kConsumers] = a;
+        }
       }
-      wgmma_wait<0>();
-      wgmma_fence_operands(dpT);
+      if constexpr (!KL_ONLY) {
+        wgmma_wait<0>();
+        wgmma_fence_operands(dpT);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float2 ax = *reinterpret_cast<const float2*>(&tm.aux[8 * j + 2 * c4]);
-        const float axv[2] = {ax.x, ax.y};
+        for (int j = 0; j < 8; ++j) {
+          const float2 ax = *reinterpret_cast<const float2*>(&tm.aux[8 * j + 2 * c4]);
+          const float axv[2] = {ax.x, ax.y};
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dpT[4 * j + e] = s1[4 * j + e] * (dpT[4 * j + e] - axv[e & 1]);
-      }
-      // Packed only now: P^T and dS^T in fp32 and bf16 at once would cost 32 more registers.
-      uint32_t pa[4][4], da[4][4];
+          for (int e = 0; e < 4; ++e) dpT[4 * j + e] = s1[4 * j + e] * (dpT[4 * j + e] - axv[e & 1]);
+        }
+        // Packed only now: P^T and dS^T in fp32 and bf16 at once would cost 32 more registers.
+        uint32_t pa[4][4], da[4][4];
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        acc_to_a_frag(pa[kk], s1 + 8 * kk);
-        acc_to_a_frag(da[kk], dpT + 8 * kk);
-      }
+        for (int kk = 0; kk < 4; ++kk) {
+          acc_to_a_frag(pa[kk], s1 + 8 * kk);
+          acc_to_a_frag(da[kk], dpT + 8 * kk);
+        }
 
-      // dV_w += P^T dO, dK_w += dS^T Q (k = the tile's 64 tokens).
-      wgmma_fence();
+        // dV_w += P^T dO, dK_w += dS^T Q (k = the tile's 64 tokens).
+        wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        wgmma_rs_bf16<128, 1>(dV, pa[kk], wgmma_desc_sw128_mn(do_st + kk * 16 * 128, L::kTokSlab), 1);
+        for (int kk = 0; kk < 4; ++kk)
+          wgmma_rs_bf16<128, 1>(dV, pa[kk], wgmma_desc_sw128_mn(do_st + kk * 16 * 128, L::kTokSlab), 1);
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        wgmma_rs_bf16<128, 1>(dK, da[kk], wgmma_desc_sw128_mn(q_st + kk * 16 * 128, L::kTokSlab), 1);
-      wgmma_commit();
+        for (int kk = 0; kk < 4; ++kk)
+          wgmma_rs_bf16<128, 1>(dK, da[kk], wgmma_desc_sw128_mn(q_st + kk * 16 * 128, L::kTokSlab), 1);
+        wgmma_commit();
 
-      // dS^T into the shared tile for dQ, which needs all 128 keys (both WGs' halves). DsFree:
-      // each WG waited for its previous dQ / dqp product before its previous atomics.
-      bar_sync(kBarDsFree, L::kConsumers);
-      store_ds_frags(sdS, da, kr, c4);
-      fence_proxy_async_shared();
-      bar_sync(kBarDsReady, L::kConsumers);
-      t_lo = tm.tok[trow];
-      t_hi = tm.tok[trow + 8];
-      // dV, dK done before dQ is issued: then P^T / dS^T (their register A operands) are free
-      // while dQ and the next step's S^T are in flight (all of them at once would not fit in
-      // 240 registers). They were issued before the two barriers, so this rarely waits long.
-      wgmma_wait<0>();
-      wgmma_fence_operands(dK);
-      wgmma_fence_operands(dV);
+        // dS^T into the shared tile for dQ, which needs all 128 keys (both WGs' halves). DsFree:
+        // each WG waited for its previous dQ / dqp product before its previous atomics.
+        bar_sync(kBarDsFree, L::kConsumers);
+        store_ds_frags(sdS, da, kr, c4);
+        fence_proxy_async_shared();
+        bar_sync(kBarDsReady, L::kConsumers);
+        t_lo = tm.tok[trow];
+        t_hi = tm.tok[trow + 8];
+        // dV, dK done before dQ is issued: then P^T / dS^T (their register A operands) are free
+        // while dQ and the next step's S^T are in flight (all of them at once would not fit in
+        // 240 registers). They were issued before the two barriers, so this rarely waits long.
+        wgmma_wait<0>();
+        wgmma_fence_operands(dK);
+        wgmma_fence_operands(dV);
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        wgmma_fence_operands(pa[kk]);
-        wgmma_fence_operands(da[kk]);
+        for (int kk = 0; kk < 4; ++kk) {
+          wgmma_fence_operands(pa[kk]);
+          wgmma_fence_operands(da[kk]);
+        }
       }
     } else {
       // ---------------------------------------------------------- proxy step (Qp in the Q slot)
@@ -416,8 +453,11 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
         const float2 ls = *reinterpret_cast<const float2*>(&tm.lse[col]);  // the student's lse
         const int tpv[2] = {tp.x, tp.y};
         const float lsv[2] = {ls.x, ls.y};
-        const float4 t4 = slots[j * L::kConsumers];
-        slots[j * L::kConsumers] = make_float4(0.f, 0.f, 0.f, 0.f);  // the next tile starts from zero
+        const float4 t4 = KL_ONLY ? make_float4(tch[4 * j], tch[4 * j + 1], tch[4 * j + 2], tch[4 * j + 3])
+                                  : slots[j * L::kConsumers];
+        // The next tile starts from zero.
+        if constexpr (KL_ONLY) tch[4 * j] = tch[4 * j + 1] = tch[4 * j + 2] = tch[4 * j + 3] = 0.f;
+        else slots[j * L::kConsumers] = make_float4(0.f, 0.f, 0.f, 0.f);
         const float tsum[4] = {t4.x, t4.y, t4.z, t4.w};
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -432,46 +472,54 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
           s1[4 * j + e] = ds;
         }
       }
-      uint32_t da[4][4];
+      if constexpr (!KL_ONLY) {
+        uint32_t da[4][4];
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) acc_to_a_frag(da[kk], s1 + 8 * kk);
+        for (int kk = 0; kk < 4; ++kk) acc_to_a_frag(da[kk], s1 + 8 * kk);
 
-      // dkp share of this tile, rows = this WG's keys, in two 64-column halves (32 registers each).
-      const int key_lo = bc.key0 + kr;
-      const int64_t kat_lo = ((bc.seq_start + key_lo) * fa.Hpk + pk) * D + 2 * c4;
-      const int64_t kat_hi = kat_lo + static_cast<int64_t>(8) * fa.Hpk * D;
+        // dkp share of this tile, rows = this WG's keys, in two 64-column halves (32 registers each).
+        const int key_lo = bc.key0 + kr;
+        const int64_t kat_lo = ((bc.seq_start + key_lo) * fa.Hpk + pk) * D + 2 * c4;
+        const int64_t kat_hi = kat_lo + static_cast<int64_t>(8) * fa.Hpk * D;
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float acc[32];
-        wgmma_fence();
+        for (int half = 0; half < 2; ++half) {
+          float acc[32];
+          wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-          wgmma_rs_bf16<64, 1>(acc, da[kk],
-                                  wgmma_desc_sw128_mn(q_st + half * L::kTokSlab + kk * 16 * 128, L::kTokSlab),
-                                  kk > 0);
-        wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_fence_operands(acc);
+          for (int kk = 0; kk < 4; ++kk)
+            wgmma_rs_bf16<64, 1>(acc, da[kk],
+                                    wgmma_desc_sw128_mn(q_st + half * L::kTokSlab + kk * 16 * 128, L::kTokSlab),
+                                    kk > 0);
+          wgmma_commit();
+          wgmma_wait<0>();
+          wgmma_fence_operands(acc);
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
-          wb_red_tile(static_cast<float*>(fa.dkp_acc), kat_lo + 64 * half + 8 * j, kat_hi + 64 * half + 8 * j,
-                      key_lo < bc.seq_len, key_lo + 8 < bc.seq_len, acc[4 * j] * fa.scale_p,
-                      acc[4 * j + 1] * fa.scale_p, acc[4 * j + 2] * fa.scale_p, acc[4 * j + 3] * fa.scale_p, c4);
+          for (int j = 0; j < 8; ++j)
+            wb_red_tile(static_cast<float*>(fa.dkp_acc), kat_lo + 64 * half + 8 * j, kat_hi + 64 * half + 8 * j,
+                        key_lo < bc.seq_len, key_lo + 8 < bc.seq_len, acc[4 * j] * fa.scale_p,
+                        acc[4 * j + 1] * fa.scale_p, acc[4 * j + 2] * fa.scale_p, acc[4 * j + 3] * fa.scale_p, c4);
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_fence_operands(da[kk]);  // A operand of the dkp products
+
+        // dqp = dS_p Kp through the shared dS tile, as dQ (below).
+        bar_sync(kBarDsFree, L::kConsumers);
+        store_ds_frags(sdS, da, kr, c4);
+        fence_proxy_async_shared();
+        bar_sync(kBarDsReady, L::kConsumers);
+        t_lo = tm.tok[trow];
+        t_hi = tm.tok[trow + 8];
       }
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) wgmma_fence_operands(da[kk]);  // A operand of the dkp products
-
-      // dqp = dS_p Kp through the shared dS tile, as dQ (below).
-      bar_sync(kBarDsFree, L::kConsumers);
-      store_ds_frags(sdS, da, kr, c4);
-      fence_proxy_async_shared();
-      bar_sync(kBarDsReady, L::kConsumers);
-      t_lo = tm.tok[trow];
-      t_hi = tm.tok[trow + 8];
     }
     // The stage (Q / Qp, dO, metadata) is no longer read: dQ / dqp read the dS tile and K / Kp.
     ::cuda::ptx::mbarrier_arrive(empty + st);
 
+    if constexpr (KL_ONLY) {
+      // No dQ / dqp: the next step's first product at once.
+      wait_full(s + 1);
+      issue_first(s + 1);
+      continue;
+    }
     // dQ[:, 64cw..] = dS K (head step) or dqp[:, 64cw..] = dS_p Kp (proxy step), then the next
     // step's first product, then the atomics under it.
     float dq[32];
@@ -495,17 +543,19 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   wgmma_wait<0>();  // the dropped product after the last step: no wgmma outlives the loop
   wgmma_fence_operands(s1);
 
-  // dk, dv rows of this thread's keys; rows past the sequence end belong to another sequence.
+  if constexpr (!KL_ONLY) {
+    // dk, dv rows of this thread's keys; rows past the sequence end belong to another sequence.
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int key = bc.key0 + kr + 8 * half;
-    if (key >= bc.seq_len) continue;
-    const int64_t at = ((bc.seq_start + key) * Hkv + kvh) * D + 2 * c4;
+    for (int half = 0; half < 2; ++half) {
+      const int key = bc.key0 + kr + 8 * half;
+      if (key >= bc.seq_len) continue;
+      const int64_t at = ((bc.seq_start + key) * Hkv + kvh) * D + 2 * c4;
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      *reinterpret_cast<uint32_t*>(dk + at + 8 * j) =
-          pack_bf16x2(dK[4 * j + 2 * half] * scale, dK[4 * j + 2 * half + 1] * scale);
-      *reinterpret_cast<uint32_t*>(dv + at + 8 * j) = pack_bf16x2(dV[4 * j + 2 * half], dV[4 * j + 2 * half + 1]);
+      for (int j = 0; j < 16; ++j) {
+        *reinterpret_cast<uint32_t*>(dk + at + 8 * j) =
+            pack_bf16x2(dK[4 * j + 2 * half] * scale, dK[4 * j + 2 * half + 1] * scale);
+        *reinterpret_cast<uint32_t*>(dv + at + 8 * j) = pack_bf16x2(dV[4 * j + 2 * half], dV[4 * j + 2 * half + 1]);
+      }
     }
   }
 

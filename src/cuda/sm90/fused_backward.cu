@@ -13,6 +13,8 @@
 //      when each kv head is exactly one group, D = 128 and not deterministic, the wgmma version of
 //      that folded kernel does (backward_wgmma.cuh; FLASHMSA_BACKWARD_PATH=mma forces the old one);
 //   5. accumulators -> bf16, the KL sum -> kl.
+// launch_kl_value (the forward's KL value, kl_value.cuh) runs steps 2, 3 (student lse only) and
+// the wgmma kernel's KL_ONLY form, then the same KL sum.
 // Deterministic mode swaps the fp32 atomics for int64 fixed-point ones (see backward_tiles.cuh),
 // with per-tensor power-of-two factors derived on the device from bounds on each gradient. With
 // top_k <= 32 it computes dq instead with the query-major, atomic-free dq_kernel
@@ -36,6 +38,7 @@
 #include "sm90/backward_dq.cuh"
 #include "sm90/backward_kernels.cuh"
 #include "sm90/backward_wgmma.cuh"
+#include "sm90/kl_value.cuh"
 #include "sm90/query_major.cuh"
 
 namespace flashmsa::cuda {
@@ -181,28 +184,64 @@ bool backward_path_forces_mma() {
   return path != nullptr && std::strcmp(path, "mma") == 0;
 }
 
+// kl_coeff / (Hp*T): the KL value's factor on its sum of terms, and dS_proxy's before g.
+float kl_c_base(const MsaParams& p) {
+  return static_cast<float>(static_cast<double>(p.kl_coeff) / (static_cast<double>(p.Hp) * p.T));
+}
+
+// The kernels' view of the inverted index in `ws` (build_selection_index fills it).
+bwd::Index make_index(const MsaParams& p, const SelectionIndexPlan& sel, const Workspace& ws) {
+  bwd::Index ix;
+  ix.cu = p.cu_seqlens;
+  ix.blk_off = ws.at<int32_t>(sel.o_blk_off);
+  ix.blk_seq = ws.at<int32_t>(sel.o_blk_seq);
+  ix.seg_start = ws.at<int32_t>(sel.o_seg);
+  ix.vals = ws.at<int32_t>(sel.o_vals_out);
+  ix.B = p.B;
+  ix.NB = sel.NB;
+  ix.K = p.top_k;
+  ix.T = p.T;
+  return ix;
+}
+
+// The student's lse per (p, t) into lse_s: per-slot partials (KV-major), then a merge.
+template <int D>
+void launch_student_lse(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix,
+                        float* part_max,  // [Hp, T, K]
+                        float* part_sum,  // [Hp, T, K]
+                        float* lse_s) {   // [Hp, T]
+  const int64_t nrow = static_cast<int64_t>(p.Hp) * p.T;
+  const int lse_smem = (kBlk + bwd::kTileTok) * D * 2 + bwd::kTileTok * 4;
+  set_smem(bwd::proxy_lse_kernel<D>, lse_smem);
+  bwd::proxy_lse_kernel<D><<<static_cast<unsigned>(ix.NB) * p.Hp, 128, lse_smem, stream>>>(
+      static_cast<const bf16*>(p.qp), static_cast<const bf16*>(p.kp), ix, p.Hp, p.Hpk, p.proxy_scale, part_max,
+      part_sum);
+  FLASHMSA_CHECK_LAUNCH();
+  merge_student_lse_kernel<<<grid_for(nrow, 256, INT_MAX), 256, 0, stream>>>(
+      p.block_idx, p.cu_seqlens, p.B, p.T, p.top_k, nrow, part_max, part_sum, lse_s);
+  FLASHMSA_CHECK_LAUNCH();
+}
+
+// kl = kl_c_base * the sum of the per-(p, block) shares, in kl_final_kernel's fixed order.
+void launch_kl_final(const MsaParams& p, cudaStream_t stream, const float* kl_part, int64_t nkeys) {
+  kl_final_kernel<<<1, 256, 0, stream>>>(kl_part, nkeys, kl_c_base(p), p.kl);
+  FLASHMSA_CHECK_LAUNCH();
+}
+
 template <int D>
 void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, const float* di,
                  float* part_max, float* part_sum, float* lse_s, void* dq_acc, void* dqp_acc,
                  void* dk_acc, void* dv_acc, void* dkp_acc, const float* fx, float* kl_part,
                  bool main_owned, bool kl_owned, int nseg, bool fold) {
-  const int64_t nrow = static_cast<int64_t>(p.Hp) * p.T;
   const auto* q = static_cast<const bf16*>(p.q);
   const auto* k = static_cast<const bf16*>(p.k);
   const auto* v = static_cast<const bf16*>(p.v);
   const auto* qp = static_cast<const bf16*>(p.qp);
   const auto* kp = static_cast<const bf16*>(p.kp);
 
-  const int lse_smem = (kBlk + bwd::kTileTok) * D * 2 + bwd::kTileTok * 4;
-  set_smem(bwd::proxy_lse_kernel<D>, lse_smem);
-  bwd::proxy_lse_kernel<D><<<static_cast<unsigned>(ix.NB) * p.Hp, 128, lse_smem, stream>>>(qp, kp, ix, p.Hp, p.Hpk,
-                                                                         p.proxy_scale, part_max, part_sum);
-  FLASHMSA_CHECK_LAUNCH();
-  merge_student_lse_kernel<<<grid_for(nrow, 256, INT_MAX), 256, 0, stream>>>(
-      p.block_idx, p.cu_seqlens, p.B, p.T, p.top_k, nrow, part_max, part_sum, lse_s);
-  FLASHMSA_CHECK_LAUNCH();
+  launch_student_lse<D>(p, stream, ix, part_max, part_sum, lse_s);
 
-  const float c_base = static_cast<float>(static_cast<double>(p.kl_coeff) / (static_cast<double>(p.Hp) * p.T));
+  const float c_base = kl_c_base(p);
   const unsigned attn_grid = static_cast<unsigned>(ix.NB) * nseg;
   // dq_acc == null: dq is computed query-major (launch_backward_dq), the kernel skips it.
   auto launch_attn = [&](auto kernel, int smem, const bwd::FoldArgs& fa) {
@@ -225,12 +264,13 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
     fa.scale_p = p.proxy_scale;
     fa.c_base = c_base;
     // The wgmma kernel (backward_wgmma.cuh) takes D = 128 (= Dv = Dp, check_supported), each
-    // kv head exactly one proxy group (Hkv == Hp, so H/Hkv == m), owned dk/dv, fp32 atomics.
+    // kv head exactly one proxy group (Hkv == Hp, so H/Hkv == m and dk/dv are owned), fp32
+    // atomics (so not deterministic: fx == nullptr, and dq_acc then exists).
     if constexpr (D == 128) {
-      if (p.Hkv == p.Hp && main_owned && fx == nullptr && dq_acc != nullptr && !backward_path_forces_mma()) {
+      if (wgmma_kv_applies(p) && fx == nullptr && dq_acc != nullptr) {
         constexpr int smem = bwd::WgBwd::kSmem;
-        set_smem(bwd::attn_bwd_wgmma_kernel, smem);
-        bwd::attn_bwd_wgmma_kernel<<<static_cast<unsigned>(ix.NB) * p.Hp, bwd::WgBwd::kThreads, smem, stream>>>(
+        set_smem(bwd::attn_bwd_wgmma_kernel<false>, smem);
+        bwd::attn_bwd_wgmma_kernel<false><<<static_cast<unsigned>(ix.NB) * p.Hp, bwd::WgBwd::kThreads, smem, stream>>>(
             q, k, v, static_cast<const bf16*>(p.d_o), p.lse, di, ix, p.H, p.Hkv, p.Hp, p.scale,
             static_cast<float*>(dq_acc), static_cast<bf16*>(p.dk), static_cast<bf16*>(p.dv), fa);
         FLASHMSA_CHECK_LAUNCH();
@@ -255,7 +295,69 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
   FLASHMSA_CHECK_LAUNCH();
 }
 
+// launch_kl_value's workspace: the inverted index, then lse_s and the per-(p, block) shares. The
+// student's partials reuse the index's unsorted keys and values, dead once the sort is done.
+struct KlValuePlan {
+  SelectionIndexPlan sel;
+  Workspace ws;
+  size_t o_lse_s = 0, o_kl_part = 0;
+};
+
+KlValuePlan plan_kl_value(const MsaParams& p, cudaStream_t stream) {
+  KlValuePlan kp;
+  kp.sel = selection_index_sizes(p);
+  reserve_selection_index(kp.sel, p, kp.ws, stream);
+  static_assert(sizeof(float) == sizeof(uint32_t) && sizeof(float) == sizeof(int32_t),
+                "part_max / part_sum alias keys_in / vals_in, one 4-byte element per entry");
+  kp.o_lse_s = kp.ws.add(static_cast<size_t>(p.Hp) * p.T * sizeof(float));
+  kp.o_kl_part = kp.ws.add(std::max<int64_t>(kp.sel.nkeys, 1) * sizeof(float));
+  return kp;
+}
+
 }  // namespace
+
+bool wgmma_kv_applies(const MsaParams& p) {
+  return p.D == 128 && p.Dv == 128 && p.Dp == 128 && p.Hkv == p.Hp && p.H / p.Hp >= 2 &&
+         !backward_path_forces_mma();
+}
+
+bool kl_value_applies(const MsaParams& p) {
+  if (!wgmma_kv_applies(p) || p.T <= 0 || p.top_k > 32) return false;
+  if (p.T * static_cast<int64_t>(p.top_k) * p.Hp >= INT32_MAX) return false;
+  const size_t q_bytes = static_cast<size_t>(p.T) * p.H * p.D * 2;
+  return plan_kl_value(p, nullptr).ws.size() <= q_bytes / 2;
+}
+
+void launch_kl_value(const MsaParams& p, cudaStream_t stream) {
+  if (p.T == 0) {
+    FLASHMSA_CUDA_CHECK(cudaMemsetAsync(p.kl, 0, sizeof(float), stream));
+    return;
+  }
+  KlValuePlan kp = plan_kl_value(p, stream);
+  Workspace& ws = kp.ws;
+  ws.allocate(stream);
+  const bwd::Index ix = make_index(p, kp.sel, ws);
+  build_selection_index(p, kp.sel, ws, stream);
+  launch_student_lse<128>(p, stream, ix, ws.at<float>(kp.sel.o_keys_in), ws.at<float>(kp.sel.o_vals_in),
+                          ws.at<float>(kp.o_lse_s));
+
+  // KL_ONLY reads qp, kp, lse_s, scale_p, Hpk and writes kl_part; nothing else of FoldArgs.
+  bwd::FoldArgs fa;
+  fa.qp = static_cast<const bf16*>(p.qp);
+  fa.kp = static_cast<const bf16*>(p.kp);
+  fa.lse_s = ws.at<float>(kp.o_lse_s);
+  fa.kl_part = ws.at<float>(kp.o_kl_part);
+  fa.Hpk = p.Hpk;
+  fa.scale_p = p.proxy_scale;
+  constexpr int smem = bwd::WgKl::kSmem;
+  set_smem(bwd::attn_bwd_wgmma_kernel<true>, smem);
+  bwd::attn_bwd_wgmma_kernel<true><<<static_cast<unsigned>(ix.NB) * p.Hp, bwd::WgKl::kThreads, smem, stream>>>(
+      static_cast<const bf16*>(p.q), static_cast<const bf16*>(p.k), nullptr, nullptr, p.lse, nullptr, ix, p.H,
+      p.Hkv, p.Hp, p.scale, nullptr, nullptr, nullptr, fa);
+  FLASHMSA_CHECK_LAUNCH();
+  launch_kl_final(p, stream, ws.at<float>(kp.o_kl_part), kp.sel.nkeys);
+  ws.release(stream);
+}
 
 void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // ---- everything that can fail on arguments, before any launch ----
@@ -269,7 +371,6 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   const int64_t T = p.T;
   const int K = p.top_k;
   SelectionIndexPlan sel = selection_index_sizes(p);
-  const int NB = sel.NB;
   const int64_t n_entries = sel.n_entries;
   const int64_t nkeys = sel.nkeys;  // also the sentinel key
 
@@ -312,16 +413,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   ws.allocate(stream);
 
   // ---- metadata and the inverted index ----
-  bwd::Index ix;
-  ix.cu = p.cu_seqlens;
-  ix.blk_off = ws.at<int32_t>(sel.o_blk_off);
-  ix.blk_seq = ws.at<int32_t>(sel.o_blk_seq);
-  ix.seg_start = ws.at<int32_t>(sel.o_seg);
-  ix.vals = ws.at<int32_t>(sel.o_vals_out);
-  ix.B = p.B;
-  ix.NB = NB;
-  ix.K = K;
-  ix.T = T;
+  const bwd::Index ix = make_index(p, sel, ws);
   build_selection_index(p, sel, ws, stream);
 
   // ---- per-row terms ----
@@ -349,10 +441,9 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
           static_cast<const bf16*>(tensors[i]), sizes[i] / 8, amax + i);
       FLASHMSA_CHECK_LAUNCH();
     }
-    const float c_base = static_cast<float>(static_cast<double>(p.kl_coeff) / (static_cast<double>(p.Hp) * T));
     fixed_point_kernel<<<1, 1, 0, stream>>>(amax, p.scale, p.proxy_scale, p.Dv, static_cast<float>(T),
                                             static_cast<float>(r), static_cast<float>(p.Hp / p.Hpk),
-                                            c_base, p.kl_grad, ws.at<float>(o_fx));
+                                            kl_c_base(p), p.kl_grad, ws.at<float>(o_fx));
     FLASHMSA_CHECK_LAUNCH();
     fx = ws.at<float>(o_fx);
   }
@@ -384,11 +475,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
     convert(dv_acc, n_dk, 2, p.dv);
   }
   if (dkp_in_acc) convert(dkp_acc, n_dkp, 4, p.dkp);
-  if (p.kl) {
-    kl_final_kernel<<<1, 256, 0, stream>>>(ws.at<float>(o_kl_part), nkeys,
-                                           static_cast<float>(p.kl_coeff / (static_cast<double>(p.Hp) * T)), p.kl);
-    FLASHMSA_CHECK_LAUNCH();
-  }
+  if (p.kl) launch_kl_final(p, stream, ws.at<float>(o_kl_part), nkeys);
   ws.release(stream);
 }
 

@@ -41,6 +41,7 @@
 #include "common/reduce_scatter.cuh"
 #include "launchers.h"
 #include "sm90/forward_kv.cuh"
+#include "sm90/kl_value.cuh"
 #include "sm90/query_major.cuh"
 
 namespace flashmsa::cuda {
@@ -659,9 +660,13 @@ void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
   a.K = p.top_k;
   a.scale_log2 = p.scale * kLog2e;
   a.proxy_scale = p.proxy_scale;
-  a.fuse_kl = p.kl != nullptr && items.n == p.Hp;
+  // The KL value KV-major after this kernel (launch_kl_value, on the wgmma backward's shapes)
+  // rather than by this kernel's second pass, which re-streams K and kp per (token, group):
+  // ~28 ms of the 56 ms at m3/64k. FLASHMSA_BACKWARD_PATH=mma keeps the pass here.
+  const bool kl_kv = p.kl != nullptr && kl_value_applies(p);
+  const bool with_kl = p.kl != nullptr && !kl_kv;  // this file's KL passes
+  a.fuse_kl = with_kl && items.n == p.Hp;
 
-  const bool with_kl = p.kl != nullptr;
   if (with_kl)
     FLASHMSA_CUDA_CHECK(cudaMallocAsync(&a.kl_rows, sizeof(float) * p.T * p.Hp, stream));
   // K <= 32 keeps the single-window kernels (the sparse-training path); wider rows (the dense
@@ -678,6 +683,7 @@ void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
     FLASHMSA_CHECK_LAUNCH();
     FLASHMSA_CUDA_CHECK(cudaFreeAsync(a.kl_rows, stream));
   }
+  if (kl_kv) launch_kl_value(p, stream);  // reads the lse written above
 }
 
 }  // namespace flashmsa::cuda

@@ -1,0 +1,26 @@
+// The forward's KL value computed KV-major by the wgmma backward's machinery (fused_backward.cu,
+// backward_wgmma.cuh with KL_ONLY): for the shapes the wgmma backward takes, the query-major
+// forward skips its own KL pass (which re-streams K and kp per token and group) and this runs
+// after it, reading the lse the forward wrote.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "params.h"
+
+namespace flashmsa::cuda {
+
+// The shapes of the wgmma kernels (D = Dv = Dp = 128, each kv head exactly one proxy group of
+// H/Hp >= 2 heads), unless FLASHMSA_BACKWARD_PATH=mma asks for the old kernels. The backward adds
+// its own condition (not deterministic); the KL value has no atomics and needs none.
+bool wgmma_kv_applies(const MsaParams& p);
+
+// wgmma_kv_applies, K <= 32 (the dense warm-up's all-blocks index would make the inverted index
+// too large), Hp*T*K < 2^31, and launch_kl_value's workspace <= size(q) / 2. Launches nothing.
+bool kl_value_applies(const MsaParams& p);
+
+// kl_loss into p.kl from q, k, qp, kp, block_idx and the forward's lse; p.T > 0 and
+// kl_value_applies(p) must hold. Workspace allocated and freed on `stream`.
+void launch_kl_value(const MsaParams& p, cudaStream_t stream);
+
+}  // namespace flashmsa::cuda
