@@ -263,8 +263,14 @@ def main():
                 except Exception as e:  # report, keep going
                     run["flex_error"] = repr(e)[:300]
                     print(f"   Flex failed: {e!r}"[:300], flush=True)
+            ph = None
             if args.phases:
-                ph = cpp_phases(args.phases, cfg, S, args.iters)
+                try:
+                    ph = cpp_phases(args.phases, cfg, S, args.iters)
+                except Exception as e:  # report, keep the peers' figures
+                    run["phases_error"] = repr(e)[:300]
+                    print(f"   C++ API phases failed: {e!r}"[:300], flush=True)
+            if ph:
                 c = {"select_ms": ph["ms_select"], "forward_ms": ph["ms_forward"], "backward_ms": ph["ms_backward"],
                      "workspace_forward_bytes": ph["workspace_forward_bytes"],
                      "workspace_backward_bytes": ph["workspace_backward_bytes"], "q_bytes": ph["q_bytes"]}

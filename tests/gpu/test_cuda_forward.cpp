@@ -562,11 +562,13 @@ TEST(CudaForward, MsaForwardMatchesAndIsDeterministic) {
 // the old route (FLASHMSA_BACKWARD_PATH=mma: the forward kernel's fused KL pass) within 1e-4;
 // o and lse do not depend on the route; deterministic mode takes the same route (it has no
 // atomics) and reruns bitwise.
-TEST(CudaForward, KlValueKvMajor) {
-  GPUTEST_REQUIRE_DEVICE();
-  ScopedForwardPath unset(nullptr);  // m = 16: the query-major forward
+// The KL value KV-major (kl_value.cuh) against the old fused pass, the CPU backend, and itself in
+// deterministic mode, on a shape the wgmma kernels take.
+void check_kl_value_kv_major(const Shape& sh, uint64_t seed) {
+  // The query-major forward: the default at m = 16, forced for smaller groups.
+  ScopedForwardPath path(sh.H / sh.Hp < 16 ? "query" : nullptr);
   Problem pr;
-  gputest::make_problem(pr, shape(16, 1, 1, 1, 128, 16, {2300, 517}), 91);
+  gputest::make_problem(pr, sh, seed);
   GpuForward kv, old;
   {
     ScopedEnv path("FLASHMSA_BACKWARD_PATH", nullptr);
@@ -607,6 +609,18 @@ TEST(CudaForward, KlValueKvMajor) {
   EXPECT_EQ(std::memcmp(&d1.kl, &d2.kl, 4), 0) << d1.kl << " vs " << d2.kl;
   EXPECT_LT(rel_err(d1.kl, c.kl), 1e-4) << "kl (deterministic) vs CPU backend";
   std::printf("    kl KV-major %.7f, old route %.7f, cpu %.7f\n", kv.kl, old.kl, c.kl);
+}
+
+TEST(CudaForward, KlValueKvMajor) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_kl_value_kv_major(shape(16, 1, 1, 1, 128, 16, {2300, 517}), 91);
+}
+
+// Two proxy heads over one proxy kv head, empty and one-token sequences, key blocks nobody selects
+// (K = 4 < visible blocks), the forced route for groups of 8 heads.
+TEST(CudaForward, KlValueKvMajorEmptySequencesTwoProxyHeads) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_kl_value_kv_major(shape(16, 2, 2, 1, 128, 4, {0, 2200, 1, 333, 0}), 92);
 }
 
 // Without a kl output the forward still writes o and lse.

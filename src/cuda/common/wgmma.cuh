@@ -44,7 +44,7 @@ __host__ __device__ __forceinline__ uint32_t sw128_offset(int row, int col, int 
 //               move by whole 1024-byte groups or inside a 128-byte row)
 //   bits 62-63  swizzle mode, 1 = 128-byte swizzle
 // The swizzle (XOR of address bits 4-6 with bits 7-9) is a function of the final address, so a
-// start address inside an atom (the K-major +32-byte K-step, used by the selector) keeps the
+// start address inside an atom (the K-major +32-byte K-step) keeps the
 // pattern as long as its origin stays 1024-aligned.
 
 // K-major 128B-swizzled operand: tile rows are M (A) or N (B), columns are K. For k-step ks
@@ -115,12 +115,9 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
 }
 
 // Named barriers (id 0 is __syncthreads'); nthreads is a multiple of 32 and the same for every
-// participant. bar_arrive signals without waiting (producer side of a producer/consumer pair).
+// participant.
 __device__ __forceinline__ void bar_sync(int id, int nthreads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
-}
-__device__ __forceinline__ void bar_arrive(int id, int nthreads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
 }
 
 // Per-thread register budget of the calling warpgroup (warp-specialised kernels: producers give

@@ -12,6 +12,7 @@
 // stream through a cp.async double buffer as in the forward.
 #include <cuda_bf16.h>
 
+#include <climits>
 #include <cmath>
 #include <cstdint>
 
@@ -174,6 +175,8 @@ void launch(const DqArgs& a, const HeadItems& items, cudaStream_t stream) {
 }  // namespace
 
 void launch_backward_dq(const MsaParams& p, const HeadItems& items, const float* di, cudaStream_t stream) {
+  if (p.T * static_cast<int64_t>(items.n) > INT_MAX)  // one CTA per (token, row group)
+    throw Error("flashmsa: fused_backward: argument 'q' has too many tokens x heads");
   DqArgs a;
   a.q = static_cast<const bf16*>(p.q);
   a.k = static_cast<const bf16*>(p.k);

@@ -258,13 +258,13 @@ constexpr int fold_smem_bytes() {
 
 // What the folded proxy part needs (attn_bwd_kernel with FOLD = true only).
 struct FoldArgs {
-  const bf16* qp;        // [T, Hp, D]
-  const bf16* kp;        // [T, Hpk, D]
-  const float* lse_s;    // [Hp, T] the student's lse over its selected keys
-  const float* kl_grad;  // [1] or null (g = 1)
-  void* dqp_acc;         // [T, Hp, D] fp32 or int64
-  void* dkp_acc;         // [T, Hpk, D] fp32 or int64 (always an accumulator here)
-  float* kl_part;        // [Hp, NB] sum of KL terms of each (p, block)
+  const bf16* qp = nullptr;        // [T, Hp, D]
+  const bf16* kp = nullptr;        // [T, Hpk, D]
+  const float* lse_s = nullptr;    // [Hp, T] the student's lse over its selected keys
+  const float* kl_grad = nullptr;  // [1] or null (g = 1)
+  void* dqp_acc = nullptr;         // [T, Hp, D] fp32 or int64
+  void* dkp_acc = nullptr;         // [T, Hpk, D] fp32 or int64 (always an accumulator here)
+  float* kl_part = nullptr;        // [Hp, NB] sum of KL terms of each (p, block)
   int Hpk = 1;
   float scale_p = 1.f;
   float c_base = 0.f;    // kl_coeff / (Hp*T); times g gives the dS factor

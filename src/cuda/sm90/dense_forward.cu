@@ -6,8 +6,8 @@
 // no T x T buffer exist. Outputs are the sparse forward's: o [T, H, Dv] bf16 and lse [H, T]
 // fp32 (natural log).
 //
-// Warp specialisation as in the selector: warpgroup 0 gives its registers back and one of its
-// threads issues TMA loads (Q tile once, then K and V blocks into a 2-stage ring with separate
+// Warp specialisation (the selector's producer/consumer split; here warpgroup 0 also gives its
+// registers back with setmaxnreg): one of its threads issues TMA loads (Q tile once, then K and V blocks into a 2-stage ring with separate
 // K and V barriers, so S = Q K^T of block n can start before V of block n lands, and K can be
 // refilled while P V still reads V). Warpgroups 1 and 2 own 64 query rows each. Inside a
 // consumer warpgroup the S product of block n is issued together with the P V product of

@@ -252,7 +252,7 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
     FLASHMSA_CHECK_LAUNCH();
   };
   if (fold) {
-    bwd::FoldArgs fa;
+    bwd::FoldArgs fa{};
     fa.qp = qp;
     fa.kp = kp;
     fa.lse_s = lse_s;
@@ -342,7 +342,7 @@ void launch_kl_value(const MsaParams& p, cudaStream_t stream) {
                           ws.at<float>(kp.o_lse_s));
 
   // KL_ONLY reads qp, kp, lse_s, scale_p, Hpk and writes kl_part; nothing else of FoldArgs.
-  bwd::FoldArgs fa;
+  bwd::FoldArgs fa{};
   fa.qp = static_cast<const bf16*>(p.qp);
   fa.kp = static_cast<const bf16*>(p.kp);
   fa.lse_s = ws.at<float>(kp.o_lse_s);

@@ -230,12 +230,17 @@ void launch_select_blocks(const MsaParams& p, cudaStream_t stream) {
   build_tile_offsets_kernel<<<1, 1024, 0, stream>>>(p.cu_seqlens, p.B, kBlk, tile_off);
   FLASHMSA_CHECK_LAUNCH();
   const int tb = static_cast<int>(bound);
-  if (p.Dp == 64) {
-    if (p.top_k <= 16) launch_select<64, 16>(p, tile_off, tb, stream);
-    else launch_select<64, 32>(p, tile_off, tb, stream);
-  } else {
-    if (p.top_k <= 16) launch_select<128, 16>(p, tile_off, tb, stream);
-    else launch_select<128, 32>(p, tile_off, tb, stream);
+  try {  // e.g. a driver without cuTensorMapEncodeTiled: free tile_off before reporting
+    if (p.Dp == 64) {
+      if (p.top_k <= 16) launch_select<64, 16>(p, tile_off, tb, stream);
+      else launch_select<64, 32>(p, tile_off, tb, stream);
+    } else {
+      if (p.top_k <= 16) launch_select<128, 16>(p, tile_off, tb, stream);
+      else launch_select<128, 32>(p, tile_off, tb, stream);
+    }
+  } catch (...) {
+    cudaFreeAsync(tile_off, stream);
+    throw;
   }
   FLASHMSA_CUDA_CHECK(cudaFreeAsync(tile_off, stream));
 }

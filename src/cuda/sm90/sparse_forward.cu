@@ -13,9 +13,10 @@
 // reductions have a fixed order, so the KL value is bitwise reproducible. When one warp's rows
 // are the whole group (m <= 16 on one kv head, the M3 shape) that second pass runs inside the
 // forward kernel instead, from registers, with no per-key storage. Where the wgmma backward's
-// kernels apply (D = 128, each kv head one proxy group, top_k <= 32: m3, gqa8) neither pass runs:
-// the KL value is computed KV-major after this kernel (kl_value.cuh), 11 ms instead of ~28 ms at
-// m3/64k.
+// kernels apply (D = 128, each kv head one proxy group, top_k <= 32, workspace <= size(q)/2: m3;
+// gqa8 only when FLASHMSA_FORWARD_PATH=query, its default is forward_kv.cu) neither pass runs: the
+// KL value is computed KV-major after this kernel (kl_value.cuh), 11 ms instead of ~28 ms at
+// m3/64k. The figures "with the KL pass" below are those of the second pass.
 //
 // Measured on an H200 (m3 shape, B=1, median of 10): forward 6.2 / 13.1 / 27.5 / 58.6 ms at
 // S = 16k / 32k / 64k / 128k (~150 TFLOP/s, ~20% of the 759 TFLOP/s matmul anchor); with the KL
