@@ -158,7 +158,8 @@ __device__ __forceinline__ void ss_tokens_by_keys(float (&acc)[32], uint32_t ds_
 // KL_ONLY = false: the full backward described at the top. KL_ONLY = true: the forward's KL
 // value alone (launch_kl_value): per head step only S^T and the teacher sum, per proxy step only
 // the KL terms, then the block's share into kl_part; v, d_o, di, dq_acc, dk, dv and fa's dqp_acc,
-// dkp_acc, kl_grad, c_base are not read. Its teacher sums stay in registers (no dK, dV there),
+// dkp_acc are not read (kl_grad and c_base only feed a dS that is discarded; launch_kl_value
+// passes kl_grad = null). Its teacher sums stay in registers (no dK, dV there),
 // its 8-stage ring covers the gathered loads, and the next step's S^T is issued as soon as the
 // stage is released; the two consumer warpgroups have no barrier between them there, so one's
 // softmax runs under the other's product. Same loop as the full kernel, its extra work cut out

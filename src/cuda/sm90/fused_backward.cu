@@ -323,16 +323,11 @@ bool wgmma_kv_applies(const MsaParams& p) {
 
 bool kl_value_applies(const MsaParams& p) {
   if (!wgmma_kv_applies(p) || p.T <= 0 || p.top_k > 32) return false;
-  if (p.T * static_cast<int64_t>(p.top_k) * p.Hp >= INT32_MAX) return false;
   const size_t q_bytes = static_cast<size_t>(p.T) * p.H * p.D * 2;
   return plan_kl_value(p, nullptr).ws.size() <= q_bytes / 2;
 }
 
 void launch_kl_value(const MsaParams& p, cudaStream_t stream) {
-  if (p.T == 0) {
-    FLASHMSA_CUDA_CHECK(cudaMemsetAsync(p.kl, 0, sizeof(float), stream));
-    return;
-  }
   KlValuePlan kp = plan_kl_value(p, stream);
   Workspace& ws = kp.ws;
   ws.allocate(stream);
@@ -341,7 +336,8 @@ void launch_kl_value(const MsaParams& p, cudaStream_t stream) {
   launch_student_lse<128>(p, stream, ix, ws.at<float>(kp.sel.o_keys_in), ws.at<float>(kp.sel.o_vals_in),
                           ws.at<float>(kp.o_lse_s));
 
-  // KL_ONLY reads qp, kp, lse_s, scale_p, Hpk and writes kl_part; nothing else of FoldArgs.
+  // KL_ONLY reads qp, kp, lse_s, scale_p, Hpk and kl_grad (null here: g only scales the proxy's
+  // dS, not the KL value) and writes kl_part; nothing else of FoldArgs.
   bwd::FoldArgs fa{};
   fa.qp = static_cast<const bf16*>(p.qp);
   fa.kp = static_cast<const bf16*>(p.kp);

@@ -15,8 +15,9 @@ namespace flashmsa::cuda {
 // its own condition (not deterministic); the KL value has no atomics and needs none.
 bool wgmma_kv_applies(const MsaParams& p);
 
-// wgmma_kv_applies, K <= 32 (the dense warm-up's all-blocks index would make the inverted index
-// too large), Hp*T*K < 2^31, and launch_kl_value's workspace <= size(q) / 2. Launches nothing.
+// wgmma_kv_applies, T > 0, K <= 32 (the dense warm-up's all-blocks index would make the inverted
+// index too large) and launch_kl_value's workspace <= size(q) / 2 (Hp*T*K < 2^31 is already
+// check_supported's). Launches nothing.
 bool kl_value_applies(const MsaParams& p);
 
 // kl_loss into p.kl from q, k, qp, kp, block_idx and the forward's lse; p.T > 0 and
