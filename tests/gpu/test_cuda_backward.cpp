@@ -356,6 +356,43 @@ TEST(CudaBackward, DeterministicDqMatchesFastDq) {
   check_deterministic_dq(shape(20, 4, 4, 2, 64, 5, {0, 640, 129}), 23);
 }
 
+// Deterministic mode on the wgmma kernel's shapes (Hkv = Hp, D = 128, K <= 32) runs its DET form
+// (no dQ, dqp / dkp in int64 fixed point) beside the query-major dq: it must agree with the fast
+// mode (fp32 atomics) and with the CPU, and give the same bits, all five gradients and kl, every run.
+void check_deterministic_wgmma(const Shape& s, uint64_t seed, float kl_grad) {
+  Setup st;
+  make_setup(st, s, seed, true, kl_grad);
+  const Grads cpu = run_cpu(st);
+  DeviceSide d;
+  upload(d, st);
+  const Grads fast = run_gpu(d, st, false);
+  const Grads det = run_gpu(d, st, true);
+  compare(det, cpu, "det wgmma");
+  const char* names[5] = {"dq", "dk", "dv", "dqp", "dkp"};
+  const std::vector<double>* a[5] = {&det.dq, &det.dk, &det.dv, &det.dqp, &det.dkp};
+  const std::vector<double>* b[5] = {&fast.dq, &fast.dk, &fast.dv, &fast.dqp, &fast.dkp};
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_EQ(gputest::count_nonfinite(*b[i]), 0) << "fast: " << names[i] << " non-finite/unwritten";
+    const double e = gputest::rel_l2(*a[i], *b[i]);
+    EXPECT_LT(e, 1e-2) << names[i] << ": deterministic vs fast rel L2";
+    std::printf("  det vs fast %-4s rel L2 %.3e\n", names[i], e);
+  }
+  const double kl_rel = std::fabs(det.kl - fast.kl) / std::max(1e-30, std::fabs(static_cast<double>(fast.kl)));
+  EXPECT_LT(kl_rel, 1e-3) << "kl det " << det.kl << " fast " << fast.kl;
+  for (int run = 1; run < 5; ++run) {
+    const Grads again = run_gpu(d, st, true);
+    EXPECT_TRUE(again.raw == det.raw) << "deterministic run " << run << " differs bitwise";
+    EXPECT_EQ(std::memcmp(&again.kl, &det.kl, 4), 0) << "deterministic kl differs in run " << run;
+  }
+}
+
+TEST(CudaBackward, DeterministicWgmmaGroupOf16K16) {
+  GPUTEST_REQUIRE_DEVICE();
+  // m = 16 heads per kv head = proxy group, D = 128, K = 16: the wgmma kernel's DET form. Two
+  // sequences with partial last blocks, two groups sharing one proxy key head (dkp from both), g != 1.
+  check_deterministic_wgmma(shape(32, 2, 2, 1, 128, 16, {2200, 333}), 27, 0.6f);
+}
+
 TEST(CudaBackward, EmptyBatchWritesZeroKl) {
   GPUTEST_REQUIRE_DEVICE();
   Shape s = shape(4, 1, 1, 1, 64, 4, {});

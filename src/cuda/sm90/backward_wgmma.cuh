@@ -25,6 +25,10 @@
 //   End: dK (times scale), dV to bf16 in dk/dv; the block's KL share into kl_part in a fixed order.
 // KL_ONLY (the forward's KL value, launch_kl_value in fused_backward.cu): only S^T, P^T, the
 // teacher sum and the KL terms of the above, K, Kp and Q / Qp loaded, no atomics at all.
+// DET (deterministic mode with top_k <= 32): no dQ at all (the query-major dq_kernel computes it
+// without atomics), so a head step neither writes the dS tile nor joins its two barriers, and
+// dqp / dkp go out as int64 fixed-point atomics (integer adds commute: the sums do not depend on
+// the atomics' order). dK, dV (owned) and the KL share have a fixed order already.
 //
 // Operand orientation (every tile bf16, 64-column slabs of R rows x 128 B, 128-byte swizzle):
 //   S^T, dP^T, S_p^T : A = K/V/Kp rows 64w.. (K-major), B = Q/dO/Qp (K-major)
@@ -125,6 +129,26 @@ __device__ __forceinline__ void wb_red_tile(float* base, int64_t at_lo, int64_t 
       : "memory");
 }
 
+// wb_red_tile's deterministic form, acc_add_tile's fixed-point path: each value times fx (a
+// power of two, fixed_point_kernel) rounded to int64 and added with a 64-bit integer RED, which
+// is associative. 64-bit REDs have no vector form, so four per lane; predicated, as above, so the
+// warp stays converged.
+__device__ __forceinline__ void wb_fx_tile(void* base,  // int64 accumulator (as unsigned 64-bit)
+                                           int64_t at_lo, int64_t at_hi, bool ok_lo, bool ok_hi, float x0,
+                                           float x1, float y0, float y1, float fx) {
+  unsigned long long* b = static_cast<unsigned long long*>(base);
+  const long long v0 = __float2ll_rn(x0 * fx), v1 = __float2ll_rn(x1 * fx);
+  const long long v2 = __float2ll_rn(y0 * fx), v3 = __float2ll_rn(y1 * fx);
+  asm volatile(
+      "{\n.reg .pred lo, hi;\nsetp.ne.b32 lo, %6, 0;\nsetp.ne.b32 hi, %7, 0;\n"
+      "@lo red.relaxed.gpu.global.add.u64 [%0], %2;\n"
+      "@lo red.relaxed.gpu.global.add.u64 [%0+8], %3;\n"
+      "@hi red.relaxed.gpu.global.add.u64 [%1], %4;\n"
+      "@hi red.relaxed.gpu.global.add.u64 [%1+8], %5;\n}\n" ::"l"(b + at_lo),
+      "l"(b + at_hi), "l"(v0), "l"(v1), "l"(v2), "l"(v3), "r"(ok_lo ? 1 : 0), "r"(ok_hi ? 1 : 0)
+      : "memory");
+}
+
 // Stores a 64-key x 64-token dS^T accumulator (as its bf16 A fragments, a[kk] = columns
 // 16kk..16kk+15) into rows r0.. of the shared [128][64] dS^T tile.
 __device__ __forceinline__ void store_ds_frags(unsigned char* ds, const uint32_t (&a)[4][4], int r0, int c4) {
@@ -165,7 +189,11 @@ __device__ __forceinline__ void ss_tokens_by_keys(float (&acc)[32], uint32_t ds_
 // softmax runs under the other's product. Same loop as the full kernel, its extra work cut out
 // by `if constexpr` (the full instantiation compiles to the same PTX as before KL_ONLY existed;
 // helpers factored out of the loop did not: inlining renumbered its registers).
-template <bool KL_ONLY>
+// DET = true (deterministic mode, top_k <= 32): the full backward without dQ (dq_acc is not read;
+// the query-major dq_kernel writes dq), dqp / dkp as int64 fixed point with the factors fx[3],
+// fx[4]. Its head step retires dV / dK, releases the stage and issues the next step's S^T at
+// the same single call site as the full kernel, with nothing to wait for behind it.
+template <bool KL_ONLY, bool DET = false>
 __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     const bf16* __restrict__ q,    // [T, H, 128]
     const bf16* __restrict__ k,    // [T, Hkv, 128]
@@ -174,10 +202,12 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     const float* __restrict__ lse, // [H, T]
     const float* __restrict__ di,  // [T, H] rowsum(dO * O)
     Index ix, int H, int Hkv, int Hp, float scale,
-    float* __restrict__ dq_acc,    // [T, H, 128] fp32
+    float* __restrict__ dq_acc,    // [T, H, 128] fp32 (not read with KL_ONLY or DET)
     bf16* __restrict__ dk,         // [T, Hkv, 128] (owned: this CTA is the only writer of its rows)
     bf16* __restrict__ dv,         // [T, Hkv, 128]
-    FoldArgs fa) {
+    FoldArgs fa,                   // with DET, dqp_acc / dkp_acc are int64 accumulators
+    const float* __restrict__ fx) {  // [5] fixed-point factors (fixed_point_kernel), read only with DET
+  static_assert(!(KL_ONLY && DET), "the KL value has no gradients to make deterministic");
   using L = WgLayout<KL_ONLY>;
   constexpr int D = L::kD;
   extern __shared__ __align__(16) unsigned char wb_smem_raw[];
@@ -423,17 +453,21 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
           wgmma_rs_bf16<128, 1>(dK, da[kk], wgmma_desc_sw128_mn(q_st + kk * 16 * 128, L::kTokSlab), 1);
         wgmma_commit();
 
-        // dS^T into the shared tile for dQ, which needs all 128 keys (both WGs' halves). DsFree:
-        // each WG waited for its previous dQ / dqp product before its previous atomics.
-        bar_sync(kBarDsFree, L::kConsumers);
-        store_ds_frags(sdS, da, kr, c4);
-        fence_proxy_async_shared();
-        bar_sync(kBarDsReady, L::kConsumers);
-        t_lo = tm.tok[trow];
-        t_hi = tm.tok[trow + 8];
+        if constexpr (!DET) {
+          // dS^T into the shared tile for dQ, which needs all 128 keys (both WGs' halves). DsFree:
+          // each WG waited for its previous dQ / dqp product before its previous atomics.
+          bar_sync(kBarDsFree, L::kConsumers);
+          store_ds_frags(sdS, da, kr, c4);
+          fence_proxy_async_shared();
+          bar_sync(kBarDsReady, L::kConsumers);
+          t_lo = tm.tok[trow];
+          t_hi = tm.tok[trow + 8];
+        }
         // dV, dK done before dQ is issued: then P^T / dS^T (their register A operands) are free
         // while dQ and the next step's S^T are in flight (all of them at once would not fit in
         // 240 registers). They were issued before the two barriers, so this rarely waits long.
+        // DET: here too, before the next step's S^T (dV / dK kept in flight under it instead,
+        // retired in the loop's tail, made ptxas serialise the wgmmas: C7515).
         wgmma_wait<0>();
         wgmma_fence_operands(dK);
         wgmma_fence_operands(dV);
@@ -482,6 +516,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
         const int key_lo = bc.key0 + kr;
         const int64_t kat_lo = ((bc.seq_start + key_lo) * fa.Hpk + pk) * D + 2 * c4;
         const int64_t kat_hi = kat_lo + static_cast<int64_t>(8) * fa.Hpk * D;
+        const float fx_kp = DET ? __ldg(fx + 4) : 0.f;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           float acc[32];
@@ -494,11 +529,20 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
           wgmma_commit();
           wgmma_wait<0>();
           wgmma_fence_operands(acc);
+          if constexpr (DET) {
 #pragma unroll
-          for (int j = 0; j < 8; ++j)
-            wb_red_tile(static_cast<float*>(fa.dkp_acc), kat_lo + 64 * half + 8 * j, kat_hi + 64 * half + 8 * j,
-                        key_lo < bc.seq_len, key_lo + 8 < bc.seq_len, acc[4 * j] * fa.scale_p,
-                        acc[4 * j + 1] * fa.scale_p, acc[4 * j + 2] * fa.scale_p, acc[4 * j + 3] * fa.scale_p, c4);
+            for (int j = 0; j < 8; ++j)
+              wb_fx_tile(fa.dkp_acc, kat_lo + 64 * half + 8 * j, kat_hi + 64 * half + 8 * j, key_lo < bc.seq_len,
+                         key_lo + 8 < bc.seq_len, acc[4 * j] * fa.scale_p, acc[4 * j + 1] * fa.scale_p,
+                         acc[4 * j + 2] * fa.scale_p, acc[4 * j + 3] * fa.scale_p, fx_kp);
+          } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+              wb_red_tile(static_cast<float*>(fa.dkp_acc), kat_lo + 64 * half + 8 * j, kat_hi + 64 * half + 8 * j,
+                          key_lo < bc.seq_len, key_lo + 8 < bc.seq_len, acc[4 * j] * fa.scale_p,
+                          acc[4 * j + 1] * fa.scale_p, acc[4 * j + 2] * fa.scale_p, acc[4 * j + 3] * fa.scale_p,
+                          c4);
+          }
         }
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgmma_fence_operands(da[kk]);  // A operand of the dkp products
@@ -523,12 +567,32 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     }
     // dQ[:, 64cw..] = dS K (head step) or dqp[:, 64cw..] = dS_p Kp (proxy step), then the next
     // step's first product, then the atomics under it.
+    // DET: dqp at proxy steps only, and its fixed-point atomics run BEFORE the next step's S^T
+    // is issued: the int64 conversions need more registers than the fp32 REDs, and with S^T's
+    // accumulator in flight ptxas spills and serialises the wgmmas (C7512). One S^T per tile
+    // loses its overlap.
     float dq[32];
-    wgmma_fence();
-    ss_tokens_by_keys(dq, ds_base, head ? k_base : kp_base, cw);
-    wgmma_commit();
+    if (!DET || !head) {
+      wgmma_fence();
+      ss_tokens_by_keys(dq, ds_base, head ? k_base : kp_base, cw);
+      wgmma_commit();
+    }
+    if constexpr (DET) {
+      if (!head) {
+        wgmma_wait<0>();  // dqp done
+        wgmma_fence_operands(dq);
+        const float fx_qp = __ldg(fx + 3);
+        const int64_t at_lo = (static_cast<int64_t>(t_lo < 0 ? 0 : t_lo) * Hp + p) * D + 64 * cw + 2 * c4;
+        const int64_t at_hi = (static_cast<int64_t>(t_hi < 0 ? 0 : t_hi) * Hp + p) * D + 64 * cw + 2 * c4;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          wb_fx_tile(fa.dqp_acc, at_lo + 8 * j, at_hi + 8 * j, t_lo >= 0, t_hi >= 0, dq[4 * j] * fa.scale_p,
+                     dq[4 * j + 1] * fa.scale_p, dq[4 * j + 2] * fa.scale_p, dq[4 * j + 3] * fa.scale_p, fx_qp);
+      }
+    }
     wait_full(s + 1);
     issue_first(s + 1);
+    if constexpr (DET) continue;  // S^T of step s+1 stays in flight into the next step
     wgmma_wait<1>();  // dQ / dqp done
     wgmma_fence_operands(dq);
     float* const red_base = head ? dq_acc : static_cast<float*>(fa.dqp_acc);

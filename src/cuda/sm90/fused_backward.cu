@@ -10,16 +10,17 @@
 //      (KV-major pre-pass, then a merge);
 //   4. attn_bwd_kernel (dq, dk, dv) and kl_bwd_kernel (dqp, dkp, KL), KV-major; when every proxy
 //      group lies inside one kv head, one attn_bwd_kernel (FOLD = true) does both (see the kernels);
-//      when each kv head is exactly one group, D = 128 and not deterministic, the wgmma version of
-//      that folded kernel does (backward_wgmma.cuh; FLASHMSA_BACKWARD_PATH=mma forces the old one);
+//      when each kv head is exactly one group and D = 128, the wgmma version of that folded kernel
+//      does (backward_wgmma.cuh; FLASHMSA_BACKWARD_PATH=mma forces the old one), in deterministic
+//      mode only with top_k <= 32 (its DET form, beside the query-major dq);
 //   5. accumulators -> bf16, the KL sum -> kl.
 // launch_kl_value (the forward's KL value, kl_value.cuh) runs steps 2, 3 (student lse only) and
 // the wgmma kernel's KL_ONLY form, then the same KL sum.
 // Deterministic mode swaps the fp32 atomics for int64 fixed-point ones (see backward_tiles.cuh),
 // with per-tensor power-of-two factors derived on the device from bounds on each gradient. With
 // top_k <= 32 it computes dq instead with the query-major, atomic-free dq_kernel
-// (backward_dq.cu) and attn_bwd_kernel skips dq: dq's int64 accumulator, 4x the size of q and
-// the largest one, is not allocated.
+// (backward_dq.cu) and attn_bwd_kernel (or the wgmma kernel's DET form) skips dq: dq's int64
+// accumulator, 4x the size of q and the largest one, is not allocated.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -264,16 +265,23 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
     fa.scale_p = p.proxy_scale;
     fa.c_base = c_base;
     // The wgmma kernel (backward_wgmma.cuh) takes D = 128 (= Dv = Dp, check_supported), each
-    // kv head exactly one proxy group (Hkv == Hp, so H/Hkv == m and dk/dv are owned), fp32
-    // atomics (so not deterministic: fx == nullptr, and dq_acc then exists).
+    // kv head exactly one proxy group (Hkv == Hp, so H/Hkv == m and dk/dv are owned). Fast mode:
+    // fp32 atomics (fx == nullptr, dq_acc exists). Deterministic mode only when dq is query-major
+    // (top_k <= 32, dq_acc == nullptr): its DET form has no dQ and takes dqp / dkp in int64 fixed
+    // point; with a dq accumulator (K > 32) the mma.sync kernel keeps dq.
     if constexpr (D == 128) {
-      if (wgmma_kv_applies(p) && fx == nullptr && dq_acc != nullptr) {
-        constexpr int smem = bwd::WgBwd::kSmem;
-        set_smem(bwd::attn_bwd_wgmma_kernel<false>, smem);
-        bwd::attn_bwd_wgmma_kernel<false><<<static_cast<unsigned>(ix.NB) * p.Hp, bwd::WgBwd::kThreads, smem, stream>>>(
-            q, k, v, static_cast<const bf16*>(p.d_o), p.lse, di, ix, p.H, p.Hkv, p.Hp, p.scale,
-            static_cast<float*>(dq_acc), static_cast<bf16*>(p.dk), static_cast<bf16*>(p.dv), fa);
-        FLASHMSA_CHECK_LAUNCH();
+      const bool fast = fx == nullptr && dq_acc != nullptr, det = fx != nullptr && dq_acc == nullptr;
+      if (wgmma_kv_applies(p) && (fast || det)) {
+        auto launch_wgmma = [&](auto kernel) {
+          constexpr int smem = bwd::WgBwd::kSmem;
+          set_smem(kernel, smem);
+          kernel<<<static_cast<unsigned>(ix.NB) * p.Hp, bwd::WgBwd::kThreads, smem, stream>>>(
+              q, k, v, static_cast<const bf16*>(p.d_o), p.lse, di, ix, p.H, p.Hkv, p.Hp, p.scale,
+              static_cast<float*>(dq_acc), static_cast<bf16*>(p.dk), static_cast<bf16*>(p.dv), fa, fx);
+          FLASHMSA_CHECK_LAUNCH();
+        };
+        if (det) launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, true>);
+        else launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, false>);
         return;
       }
     }
@@ -349,7 +357,7 @@ void launch_kl_value(const MsaParams& p, cudaStream_t stream) {
   set_smem(bwd::attn_bwd_wgmma_kernel<true>, smem);
   bwd::attn_bwd_wgmma_kernel<true><<<static_cast<unsigned>(ix.NB) * p.Hp, bwd::WgKl::kThreads, smem, stream>>>(
       static_cast<const bf16*>(p.q), static_cast<const bf16*>(p.k), nullptr, nullptr, p.lse, nullptr, ix, p.H,
-      p.Hkv, p.Hp, p.scale, nullptr, nullptr, nullptr, fa);
+      p.Hkv, p.Hp, p.scale, nullptr, nullptr, nullptr, fa, nullptr);
   FLASHMSA_CHECK_LAUNCH();
   launch_kl_final(p, stream, ws.at<float>(kp.o_kl_part), kp.sel.nkeys);
   ws.release(stream);
