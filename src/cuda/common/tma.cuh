@@ -44,6 +44,39 @@ inline CUtensorMap make_bf16_row_map(const void* base, int64_t rows, int heads, 
   return map;
 }
 
+// The same [rows, heads, cols] bf16 tensor with a box of 64 columns x box_heads heads x 1 row:
+// the box_heads consecutive heads of ONE row land as box_heads consecutive 128-byte rows of a
+// 64-column slab (the KV-major forward gathers the m heads of a proxy group, token by token, into
+// the rows of one MMA tile). Same 128-byte swizzle: TMA applies it to the final shared-memory
+// address (address bits 7-9 XOR bits 4-6), so a box written at row offset j * box_heads of a
+// 1024-aligned slab keeps the pattern of the whole slab even when box_heads < 8.
+inline CUtensorMap make_bf16_head_map(const void* base, int64_t rows, int heads, int cols,
+                                      int box_heads) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    FLASHMSA_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
+                                                         cudaEnableDefault, &status));
+    if (status != cudaDriverEntryPointSuccess || fn == nullptr)
+      throw Error("flashmsa: the CUDA driver does not provide cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  CUtensorMap map{};
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols) * 2,
+                                 static_cast<cuuint64_t>(cols) * 2 * heads};
+  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(box_heads), 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base),
+                            dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw Error("flashmsa: cuTensorMapEncodeTiled failed with CUresult " + std::to_string(r));
+  return map;
+}
+
 // Loads the box at (col, head, row) into `dst`, completing `bytes` on the mbarrier `bar`.
 __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, int col, int head,
                                             int row, uint64_t* bar) {
@@ -55,6 +88,33 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, i
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
   while (!::cuda::ptx::mbarrier_try_wait_parity(bar, parity)) {
   }
+}
+
+// Bulk (non-tensor) reduce-add of `bytes` bytes of fp32 from shared memory into global memory
+// (cp.reduce.async.bulk, async proxy, one instruction from one thread; each element is added
+// atomically, in no fixed order across CTAs). dst, src 16-byte aligned, bytes a multiple of 16.
+// The source must not be rewritten before bulk_wait_group_read covers the op, and generic
+// st.shared writes of the source must be ordered before it with fence_proxy_async_shared.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src_smem, uint32_t bytes) {
+  const uint64_t gaddr = static_cast<uint64_t>(__cvta_generic_to_global(dst));
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gaddr),
+               "r"(src_smem), "r"(bytes)
+               : "memory");
+}
+// Closes this thread's pending bulk operations into one bulk async-group.
+__device__ __forceinline__ void bulk_commit_group() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Waits until at most N of this thread's bulk groups are still READING their shared-memory
+// source (their global writes may still be in flight).
+template <int N>
+__device__ __forceinline__ void bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+// Waits until at most N of this thread's bulk groups are still pending at all.
+template <int N>
+__device__ __forceinline__ void bulk_wait_group() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 }  // namespace flashmsa::cuda

@@ -1,0 +1,715 @@
+// KV-major block-sparse forward (msa.md step 5: o, lse) on warpgroup MMA with a FIXED softmax
+// reference per row, for D = Dv = 128 and proxy groups of m = 4, 8 or 16 heads inside one kv head.
+//
+// Why KV-major: the query-major kernel (sparse_forward.cu) reads ~1 MB of K/V per (token, group)
+// from L2 and is L2-bound (27 ms at m3/64k). Here one CTA loads a key block's K and V once and
+// multiplies them against dense 64-row tiles of gathered query rows (64/m tokens x the m heads of
+// proxy group p: the m heads of one token share its selection and its kv head).
+//
+// Why a fixed reference: in KV-major order a row's softmax spans K blocks owned by different CTAs.
+// Instead of per-block (max, sum, o) partials and a merge, every row (t, h) uses a reference known
+// before any block is processed: mref = scale * log2(e) * <q[t,h], k[t,kv(h)]>, the score of the
+// token's own key. Key t is visible to t and lies in the own block, which is always selected, so
+// mref <= the row's true maximum (up to the rounding of two fp32 dot products) and the row sum
+// l = sum_j 2^(S_j * scale * log2 e - mref) >= ~1: it cannot underflow as a whole. Each (row,
+// block) contribution is then exact and independent of the others:
+//   P = 2^(S * scale * log2 e - mref), acc_o += bf16(P) V, acc_l += sum(P)   (fp32, P unrounded for l)
+// and at the end o = acc_o / acc_l, lse = (mref + log2 acc_l) * ln 2. No merge, no second pass.
+// Overflow rule: if a row's max of S * scale * log2 e - mref exceeds 64 (log2 units) in some block,
+// overflow[t] = 1 and the caller recomputes token t exactly (query-major). Below that, a term is
+// <= 2^64 and a row sums at most 32 blocks x 128 keys of them: 2^64 * 2^12 * |v| stays far below
+// fp32's 2^128, so flagged tokens are the only ones whose o/lse may be wrong (inf or NaN).
+//
+// Why chunks: an fp32 accumulator for every token (512 MB per group at m3/64k) would live in HBM
+// and every reduce-add would be an HBM read-modify-write. Tokens are
+// processed in chunks of C (default 2048, FLASHMSA_FWD_CHUNK overrides: a multiple of 128 >= 128)
+// per proxy group p: acc_o [C, m, 128] fp32 (16 MB at m = 16), acc_l and mref [C, m], which stay
+// in the H200's 50 MB L2 while the chunk is processed. Per (p, chunk), on the stream:
+//   finprep: finalize the previous (p, chunk) from the accumulator (o, lse) and in the same pass
+//            prepare this one (mref of its rows, accumulator zeroed);
+//   main:    one persistent CTA per SM takes work items (below) from a counter until none is left.
+// Work items: a plan kernel (once, all chunks and groups) binary-searches each key block's list
+// of the inverted selection index (common/selection_index.cuh; ascending in t) for the entries of
+// the chunk and cuts them into pieces of at most kMaxTiles tiles, so a heavily selected block
+// (block 0, the recent blocks) is spread over several CTAs instead of serialising one, and blocks
+// no token of the chunk selected cost nothing.
+//
+// Main kernel (384 threads): warpgroup 0's first warp is the producer (one lane issues TMA), the
+// other two warpgroups are consumers that take alternate 64-row tiles of an item.
+//   producer: per item, the entries' tokens into a double-buffered shared list (loaded before the
+//     previous item is released, so its latency is hidden), then K and V of the block (TMA, 128
+//     rows past T read as zeros), then per tile one TMA box {64 columns, m heads, 1 token} per
+//     64-column slab per token into a 4-stage ring. The box is m rows of the tile's swizzled slab.
+//   consumer, per tile: S = Q K^T (SS, 64 x 128 x 128), the Q stage released, the causal mask only
+//     where a row's token lies in the block (the own block: the only partially visible block; it
+//     also hides keys past the sequence end), P = 2^(S scale log2e - mref), overflow check, row
+//     sums (quad shuffles), O = P V (RS, V MN-major), then O and l into the warpgroup's fp32
+//     staging tile and, per token, ONE bulk reduce-add of its m rows (m * 512 bytes) and one of its
+//     m sums (m * 4 bytes) into the chunk accumulator (cp.reduce.async.bulk .add.f32). The staging
+//     rows store 8-float chunk j at position j ^ (row & 3) so the accumulator-layout stores hit 4
+//     bank groups x 2 rows (2 wavefronts per 256 bytes, the minimum); the accumulator keeps that
+//     permutation (row & 3 = head-in-group & 3) and finprep undoes it.
+//   Rows of a partial last tile are neither loaded (stale data from an earlier tile, or never
+//   written shared memory) nor reduced: rows are independent in both products.
+//
+// Swizzle of the gathered Q rows (m = 4: a box of 4 rows lands at byte offset 512 inside an
+// 8-row, 1024-byte swizzle atom): TMA's 128-byte swizzle XORs address bits 4-6 with bits 7-9 of
+// the final shared-memory address (the same fact wgmma_desc_sw128 relies on for its +32-byte
+// k-steps; a public reverse-engineering exercise of TMA on H100 also derives the XOR key from the
+// absolute shared address). The tile is 1024-aligned, so the box of token j, written at row j*m,
+// gets exactly the XOR of tile rows j*m .. j*m+m-1, i.e. the layout sw128_offset describes. Were
+// the swizzle relative to the box start instead, m = 8 and 16 would still be right (j*m = 0 mod 8)
+// and only m = 4 with an odd j would read wrong rows: the GPU test at m = 4 with >= 2 tokens per
+// tile is the decisive check.
+//
+// Not deterministic: the reduce-adds into acc_o / acc_l run in no fixed order.
+//
+// Traffic per 64-row tile (4.2 MFLOP): 16 KB of Q in, 32 KB of fp32 O reduced out (12 KB per
+// (token, group, block) against the query-major 64 KB), plus 64 KB of K/V per work item (~16
+// tiles at m3/64k). At m3/64k that is ~1.05 M tiles: ~50 GB through L2, i.e. ~8-10 ms at L2
+// bandwidth, above the ~7 ms of the tensor cores: this kernel is expected to be L2-bound too,
+// at a fifth of the query-major traffic. Not measured yet. Known costs: one K/V load latency per
+// item (K/V are not double-buffered: no shared memory left), finprep's pass over the accumulator
+// (~1 ms at m3/64k), and 2 launches per (group, chunk) with a ramp and a tail each.
+#include "sm90/forward_kv_wgmma.cuh"
+
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <vector>
+
+#include "common/bf16.cuh"
+#include "common/check.cuh"
+#include "common/mma.cuh"
+#include "common/selection_index.cuh"
+#include "common/tma.cuh"
+#include "common/wgmma.cuh"
+
+namespace flashmsa::cuda {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kBlk = 128;  // keys per block
+static_assert(kBlk == kIndexBlk, "the shared selection index is built for this block size");
+constexpr int kD = 128;                         // D = Dv
+constexpr int kRows = 64;                       // rows of an M-tile (one consumer warpgroup)
+constexpr int kStages = 4;                      // Q ring
+constexpr int kMaxTiles = 32;                   // tiles per work item at most
+constexpr int kMaxItemTok = kMaxTiles * kRows / 4;  // tokens per item at most (m = 4)
+constexpr int kThreads = 384;
+constexpr int kConsumerThreads = 256;
+constexpr int kDefaultChunk = 2048;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kOverflowLog2 = 64.f;
+
+// Shared-memory plan (byte offsets from the 1024-aligned base).
+constexpr int kKSlab = kBlk * 128;              // one 64-column slab of K or V
+constexpr int kKTile = 2 * kKSlab;              // [128 keys][128] bf16
+constexpr int kQSlab = kRows * 128;
+constexpr int kQTile = 2 * kQSlab;              // [64 rows][128] bf16
+constexpr int kStgBytes = kRows * kD * 4;       // [64 rows][128] fp32 per consumer warpgroup
+constexpr int oK = 0;
+constexpr int oV = oK + kKTile;
+constexpr int oQ = oV + kKTile;
+constexpr int oStg = oQ + kStages * kQTile;
+constexpr int oStgL = oStg + 2 * kStgBytes;     // [2][64] fp32 row sums
+constexpr int oList = oStgL + 2 * kRows * 4;    // [2][kMaxItemTok] int32 tokens
+constexpr int oInfo = oList + 2 * kMaxItemTok * 4;  // [2] int2 {first key row, tokens}
+constexpr int oBar = oInfo + 2 * 8;             // full[kStages], empty[kStages], kv_full, kv_empty
+constexpr int kSmemBytes = oBar + (2 * kStages + 2) * 8;
+constexpr int kSmem = kSmemBytes + 1024;        // + alignment slack of the dynamic base
+static_assert(kSmem <= 227 * 1024, "forward_kv_wgmma: shared memory over the sm_90 limit");
+static_assert(oBar % 8 == 0 && oStgL % 16 == 0 && oList % 16 == 0, "alignment of the small buffers");
+
+constexpr int kBarStg = 1;  // + consumer warpgroup index: its staging tile's two barriers
+
+// 2^x on the SFU (-inf -> +0); results below 2^-126 flush to 0, invisible next to l >= 1.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// S (64 rows x 128 keys) = Q tile (K-major, 8 KB slabs) x K block^T (K-major, 16 KB slabs).
+__device__ __forceinline__ void issue_qk(float (&s)[64], uint32_t q_tile, uint32_t k_tile) {
+#pragma unroll
+  for (int ks = 0; ks < kD / 16; ++ks)
+    wgmma_ss_bf16<128, 0, 0>(s, wgmma_desc_sw128(q_tile + (ks >> 2) * kQSlab + (ks & 3) * 32),
+                             wgmma_desc_sw128(k_tile + (ks >> 2) * kKSlab + (ks & 3) * 32), ks > 0);
+}
+
+// O = P V: k-step kk covers keys 16kk..16kk+15 (rows of the V tile, read MN-major).
+__device__ __forceinline__ void issue_pv(float (&o)[64], const uint32_t (&pf)[8][4], uint32_t v_tile) {
+#pragma unroll
+  for (int kk = 0; kk < kBlk / 16; ++kk)
+    wgmma_rs_bf16<128, 1>(o, pf[kk], wgmma_desc_sw128_mn(v_tile + kk * 16 * 128, kKSlab), kk > 0);
+}
+
+// ---- plan: work items of every (proxy group, chunk) ------------------------------------------
+
+constexpr int kPlanBatch = 48;    // chunks per plan launch (kernel parameter space)
+constexpr int kPlanThreads = 512;
+
+struct PlanBatch {
+  int n = 0;
+  int c0[kPlanBatch];        // first token of the chunk
+  int c1[kPlanBatch];        // one past its last token
+  int g_lo[kPlanBatch];      // first global key block a token of the chunk can select
+  int nb[kPlanBatch];        // blocks from g_lo on that it can select
+  int64_t off[kPlanBatch];   // the chunk's first item slot (per group)
+};
+
+__device__ __forceinline__ int lower_bound_i32(const int32_t* __restrict__ v, int lo, int hi, int64_t x) {
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (static_cast<int64_t>(__ldg(v + mid)) < x) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+// Grid (chunks of the batch, Hp). For each block of the chunk's range: the list entries of
+// tokens in [c0, c1), cut into pieces of at most kMaxTiles tiles (equal tile counts), written as
+// items {first key row (packed), e0, e1, 0}; then the item count of (p, chunk).
+__global__ void __launch_bounds__(kPlanThreads) kvw_plan_kernel(
+    const __grid_constant__ PlanBatch pb, int chunk_base, int n_chunks,
+    const int32_t* __restrict__ seg,      // [Hp*NB+1] list offsets into vals
+    const int32_t* __restrict__ vals,     // [Hp*T*K] t*K + slot, ascending t per list
+    const int32_t* __restrict__ cu,       // [B+1]
+    const int32_t* __restrict__ blk_off,  // [B+1] first global block of each sequence
+    const int32_t* __restrict__ blk_seq,  // [NB] sequence of each global block
+    int NB, int K, int tok_per_tile, int64_t items_per_group,
+    int4* __restrict__ items,             // [Hp, items_per_group]
+    int32_t* __restrict__ n_items) {      // [Hp, n_chunks]
+  __shared__ int warp_sums[kPlanThreads / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int ci = blockIdx.x, p = blockIdx.y;
+  const int64_t lo_key = static_cast<int64_t>(pb.c0[ci]) * K, hi_key = static_cast<int64_t>(pb.c1[ci]) * K;
+  const int nb = pb.nb[ci];
+  int4* out = items + p * items_per_group + pb.off[ci];
+  int running = 0;
+  for (int b0 = 0; b0 < nb; b0 += kPlanThreads) {
+    const int gi = b0 + static_cast<int>(threadIdx.x);
+    int pieces = 0, e0 = 0, cnt = 0, per = 0, krow = 0;
+    if (gi < nb) {
+      const int g = pb.g_lo[ci] + gi;
+      const int64_t list = static_cast<int64_t>(p) * NB + g;
+      const int begin = __ldg(seg + list), end = __ldg(seg + list + 1);
+      e0 = lower_bound_i32(vals, begin, end, lo_key);
+      cnt = lower_bound_i32(vals, e0, end, hi_key) - e0;
+      if (cnt > 0) {
+        const int tiles = (cnt + tok_per_tile - 1) / tok_per_tile;
+        pieces = (tiles + kMaxTiles - 1) / kMaxTiles;
+        per = (tiles + pieces - 1) / pieces * tok_per_tile;
+        const int b = __ldg(blk_seq + g);
+        krow = __ldg(cu + b) + (g - __ldg(blk_off + b)) * kBlk;
+      }
+    }
+    // Exclusive prefix of `pieces` over the CTA: inclusive warp scans, then the warp totals.
+    int incl = pieces;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int x = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += x;
+    }
+    if (lane == 31) warp_sums[warp] = incl;
+    __syncthreads();
+    int first = incl - pieces, total = 0;
+    for (int w = 0; w < kPlanThreads / 32; ++w) {
+      const int x = warp_sums[w];
+      if (w < warp) first += x;
+      total += x;
+    }
+    for (int k = 0; k < pieces; ++k)
+      out[running + first + k] = make_int4(krow, e0 + k * per, e0 + min(cnt, (k + 1) * per), 0);
+    running += total;
+    __syncthreads();  // warp_sums is reused
+  }
+  if (threadIdx.x == 0) n_items[p * n_chunks + chunk_base + ci] = running;
+}
+
+// ---- finalize the previous (p, chunk), prepare the next ---------------------------------------
+
+// One warp per accumulator row R = token * M + hh (lane: columns 4 lane .. 4 lane + 3).
+// Finalize (tok < fin_n): o[t, h] = acc_o / acc_l (bf16), lse[h, t] = (mref + log2 acc_l) ln 2.
+// Prepare (tok < prep_n): mref = scale log2e <q[t, h], k[t, kvh]>, acc_o = acc_l = 0.
+template <int M>
+__global__ void __launch_bounds__(256) kvw_finprep_kernel(
+    int fin_c0, int fin_n, int fin_head0,
+    int prep_c0, int prep_n, int prep_head0, int prep_kvh,
+    const bf16* __restrict__ q,  // [T, H, 128]
+    const bf16* __restrict__ k,  // [T, Hkv, 128]
+    int H, int Hkv, int64_t T, float scale_log2,
+    float* __restrict__ mref,    // [C, M]
+    float* __restrict__ acc_o,   // [C, M, 128], 8-float chunk j stored at j ^ (hh & 3)
+    float* __restrict__ acc_l,   // [C, M]
+    bf16* __restrict__ o,        // [T, H, 128]
+    float* __restrict__ lse) {   // [H, T]
+  const int lane = threadIdx.x & 31;
+  const int rows = max(fin_n, prep_n) * M;
+  const int warps = gridDim.x * (blockDim.x >> 5);
+  for (int R = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; R < rows; R += warps) {
+    const int tok = R / M, hh = R % M;
+    float4* a4 = reinterpret_cast<float4*>(acc_o + static_cast<int64_t>(R) * kD) +
+                 ((((lane >> 1) ^ (hh & 3)) << 1) | (lane & 1));
+    if (tok < fin_n) {
+      const float4 a = *a4;
+      const float l = acc_l[R], mr = mref[R];
+      const int64_t t = static_cast<int64_t>(fin_c0) + tok;
+      const int h = fin_head0 + hh;
+      const float inv = 1.f / l;
+      uint2 packed;
+      packed.x = pack_bf16x2(a.x * inv, a.y * inv);
+      packed.y = pack_bf16x2(a.z * inv, a.w * inv);
+      *reinterpret_cast<uint2*>(o + (t * H + h) * kD + 4 * lane) = packed;
+      if (lane == 0) lse[static_cast<int64_t>(h) * T + t] = (mr + log2f(l)) * kLn2;
+    }
+    __syncwarp();  // every lane has read mref[R] and acc_l[R] before lane 0 rewrites them
+    if (tok < prep_n) {
+      const int64_t t = static_cast<int64_t>(prep_c0) + tok;
+      const int h = prep_head0 + hh;
+      const uint2 qa = *reinterpret_cast<const uint2*>(q + (t * H + h) * kD + 4 * lane);
+      const uint2 ka = *reinterpret_cast<const uint2*>(k + (t * Hkv + prep_kvh) * kD + 4 * lane);
+      const float2 q0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&qa.x));
+      const float2 q1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&qa.y));
+      const float2 k0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ka.x));
+      const float2 k1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ka.y));
+      float dot = q0.x * k0.x + q0.y * k0.y + q1.x * k1.x + q1.y * k1.y;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+      *a4 = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (lane == 0) {
+        mref[R] = dot * scale_log2;
+        acc_l[R] = 0.f;
+      }
+    }
+  }
+}
+
+// ---- the main kernel ---------------------------------------------------------------------------
+
+template <int M>
+__global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
+    const __grid_constant__ CUtensorMap q_map,  // q [T, H, 128], box {64 cols, M heads, 1 token}
+    const __grid_constant__ CUtensorMap k_map,  // k [T, Hkv, 128], box {64 cols, 1, 128 rows}
+    const __grid_constant__ CUtensorMap v_map,  // v [T, Hkv, 128], box {64 cols, 1, 128 rows}
+    const int4* __restrict__ items,             // [n] {first key row (packed), e0, e1, 0}
+    const int32_t* __restrict__ n_items_ptr,    // [1] items of this (p, chunk)
+    int32_t* __restrict__ counter,              // [1] zero before the launch; next item to take
+    const int32_t* __restrict__ vals,           // [Hp*T*K] index entries t*K + slot
+    const float* __restrict__ mref,             // [C, M] reference of each row (log2 units)
+    float* __restrict__ acc_o,                  // [C, M, 128] fp32, permuted 8-float chunks
+    float* __restrict__ acc_l,                  // [C, M] fp32
+    int32_t* __restrict__ overflow,             // [T] set to 1 where a row overflows
+    int K, int c0, int head0, int kvh, float scale_log2) {
+  constexpr int kTok = kRows / M;  // tokens per tile
+  static_assert(kRows % M == 0 && M % 4 == 0 && kMaxTiles * kTok <= kMaxItemTok, "group size");
+  extern __shared__ __align__(16) unsigned char kvw_smem_raw[];
+  // Offset from the shared array (not an integer round trip), so the compiler keeps LDS/STS.
+  unsigned char* smem = kvw_smem_raw + ((1024u - (smem_u32(kvw_smem_raw) & 1023u)) & 1023u);
+  unsigned char* sK = smem + oK;                                  // [2 slabs][128][128 B]
+  unsigned char* sV = smem + oV;                                  // [2 slabs][128][128 B]
+  unsigned char* sQ = smem + oQ;                                  // [kStages][2 slabs][64][128 B]
+  float* sStg = reinterpret_cast<float*>(smem + oStg);            // [2 WG][64][128] fp32
+  float* sStgL = reinterpret_cast<float*>(smem + oStgL);          // [2 WG][64] fp32
+  int32_t* sList = reinterpret_cast<int32_t*>(smem + oList);      // [2][kMaxItemTok] tokens
+  int2* sInfo = reinterpret_cast<int2*>(smem + oInfo);            // [2] {first key row, tokens or -1}
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + oBar);      // [kStages]
+  uint64_t* empty = full + kStages;                               // [kStages]
+  uint64_t* kv_full = empty + kStages;                            // [1]
+  uint64_t* kv_empty = kv_full + 1;                               // [1]
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      ::cuda::ptx::mbarrier_init(full + s, 1);
+      ::cuda::ptx::mbarrier_init(empty + s, 128);  // the one consumer warpgroup of the stage
+    }
+    ::cuda::ptx::mbarrier_init(kv_full, 32);             // every producer lane (its list writes)
+    ::cuda::ptx::mbarrier_init(kv_empty, kConsumerThreads);
+    ::cuda::ptx::fence_mbarrier_init(::cuda::ptx::sem_release, ::cuda::ptx::scope_cluster);
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    // ------------------------------------------------------------------ producer (one warp)
+    setmaxnreg_dec<40>();
+    if (threadIdx.x >= 32) return;
+    const int lane = threadIdx.x;
+    const int n_items = __ldg(n_items_ptr);
+    int item = lane == 0 ? atomicAdd(counter, 1) : 0;
+    item = __shfl_sync(0xffffffffu, item, 0);
+    int tile_g = 0;  // tiles issued so far (ring position)
+    for (int it = 0;; ++it) {
+      const int buf = it & 1;
+      int ntok = -1, krow = 0, e0 = 0;
+      if (item < n_items) {
+        const int4 rec = __ldg(items + item);
+        krow = rec.x;
+        e0 = rec.y;
+        ntok = rec.z - rec.y;
+      }
+      // The list of item `it` goes to buffer it & 1, whose last reader (item it - 2) released it
+      // before the previous iteration went on: filled while the consumers still work on it - 1.
+      int32_t* list = sList + buf * kMaxItemTok;
+      for (int i = lane; i < ntok; i += 32) list[i] = __ldg(vals + e0 + i) / K;
+      if (lane == 0) sInfo[buf] = make_int2(krow, ntok);
+      int next = (lane == 0 && ntok >= 0) ? atomicAdd(counter, 1) : 0;
+      next = __shfl_sync(0xffffffffu, next, 0);
+      __syncwarp();  // lane 0 reads the other lanes' list entries below
+      if (it > 0) mbarrier_wait(kv_empty, (it - 1) & 1);  // K, V of item it - 1 are free
+      if (ntok < 0) {
+        ::cuda::ptx::mbarrier_arrive(kv_full);  // every lane: the consumers read ntok = -1 and stop
+        return;
+      }
+      if (lane == 0) {
+        ::cuda::ptx::mbarrier_arrive_expect_tx(::cuda::ptx::sem_release, ::cuda::ptx::scope_cta,
+                                               ::cuda::ptx::space_shared, kv_full, 2 * kKTile);
+        for (int slab = 0; slab < 2; ++slab) {
+          tma_load_3d(sK + slab * kKSlab, &k_map, slab * 64, kvh, krow, kv_full);
+          tma_load_3d(sV + slab * kKSlab, &v_map, slab * 64, kvh, krow, kv_full);
+        }
+      } else {
+        ::cuda::ptx::mbarrier_arrive(kv_full);  // release: this lane's list entries
+      }
+      const int ntiles = (ntok + kTok - 1) / kTok;
+      if (lane == 0) {
+        for (int i = 0; i < ntiles; ++i) {
+          const int tg = tile_g + i, st = tg % kStages;
+          if (tg >= kStages) mbarrier_wait(empty + st, ((tg / kStages) - 1) & 1);
+          const int n = min(kTok, ntok - i * kTok);
+          ::cuda::ptx::mbarrier_arrive_expect_tx(::cuda::ptx::sem_release, ::cuda::ptx::scope_cta,
+                                                 ::cuda::ptx::space_shared, full + st, n * M * kD * 2);
+          unsigned char* dst = sQ + st * kQTile;
+          for (int j = 0; j < n; ++j) {
+            const int t = list[i * kTok + j];
+            tma_load_3d(dst + j * M * 128, &q_map, 0, head0, t, full + st);
+            tma_load_3d(dst + kQSlab + j * M * 128, &q_map, 64, head0, t, full + st);
+          }
+        }
+      }
+      tile_g += ntiles;
+      item = next;
+    }
+  }
+
+  // -------------------------------------------------------------------- consumers
+  setmaxnreg_inc<232>();
+  const int cw = wg - 1;  // this warpgroup takes the tiles with (global tile index & 1) == cw
+  const int ct = threadIdx.x & 127, w = ct >> 5, lane = ct & 31, g = lane >> 2, c = lane & 3;
+  const int r0 = 16 * w + g, r1 = r0 + 8;  // this thread's two accumulator rows
+  const int slot0 = r0 / M, slot1 = r1 / M, hh0 = r0 % M, hh1 = r1 % M;
+  const int perm = r0 & 3;                 // = hh0 & 3 = hh1 & 3 (M is a multiple of 4)
+  float* stg = sStg + cw * kRows * kD;
+  float* stg_l = sStgL + cw * kRows;
+  const uint32_t stg_u32 = smem_u32(stg), stg_l_u32 = smem_u32(stg_l);
+  const uint32_t k_base = smem_u32(sK), v_base = smem_u32(sV), q_base = smem_u32(sQ);
+  const bool leader = ct == 0;  // issues this warpgroup's bulk reduce-adds
+
+  int tile_g = 0;
+  for (int it = 0;; ++it) {
+    const int buf = it & 1;
+    mbarrier_wait(kv_full, it & 1);
+    const int2 info = sInfo[buf];
+    const int krow = info.x, ntok = info.y;
+    if (ntok < 0) break;
+    const int32_t* list = sList + buf * kMaxItemTok;
+    const int ntiles = (ntok + kTok - 1) / kTok;
+    for (int i = 0; i < ntiles; ++i) {
+      const int tg = tile_g + i;
+      if ((tg & 1) != cw) continue;
+      const int st = tg % kStages;
+      const int n = min(kTok, ntok - i * kTok);
+      const bool ok0 = slot0 < n, ok1 = slot1 < n;
+      const int t0 = ok0 ? list[i * kTok + slot0] : 0;
+      const int t1 = ok1 ? list[i * kTok + slot1] : 0;
+
+      mbarrier_wait(full + st, (tg / kStages) & 1);
+      float s[64];
+      wgmma_fence_operands(s);
+      wgmma_fence();
+      issue_qk(s, q_base + st * kQTile, k_base);
+      wgmma_commit();
+      // Under the product: the rows' references and mask limits (key column j is visible to a
+      // row iff j <= lim: lim >= 127 everywhere but in the row token's own block).
+      const float mr0 = ok0 ? __ldg(mref + (t0 - c0) * M + hh0) : 0.f;
+      const float mr1 = ok1 ? __ldg(mref + (t1 - c0) * M + hh1) : 0.f;
+      const int lim0 = ok0 ? t0 - krow : kBlk - 1;
+      const int lim1 = ok1 ? t1 - krow : kBlk - 1;
+      wgmma_wait<0>();
+      wgmma_fence_operands(s);
+      ::cuda::ptx::mbarrier_arrive(empty + st);  // the Q stage is no longer read
+
+      if (lim0 < kBlk - 1 || lim1 < kBlk - 1) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int col = 8 * j + 2 * c + (e & 1);
+            if (col > ((e & 2) ? lim1 : lim0)) s[4 * j + e] = -INFINITY;
+          }
+      }
+      float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
+        mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+      }
+      // Overflow: this thread's part of the row suffices (any quad lane may flag the token).
+      if (ok0 && fmaf(mx0, scale_log2, -mr0) > kOverflowLog2) overflow[t0] = 1;
+      if (ok1 && fmaf(mx1, scale_log2, -mr1) > kOverflowLog2) overflow[t1] = 1;
+      float l0 = 0.f, l1 = 0.f;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        s[4 * j + 0] = fast_exp2(fmaf(s[4 * j + 0], scale_log2, -mr0));
+        s[4 * j + 1] = fast_exp2(fmaf(s[4 * j + 1], scale_log2, -mr0));
+        s[4 * j + 2] = fast_exp2(fmaf(s[4 * j + 2], scale_log2, -mr1));
+        s[4 * j + 3] = fast_exp2(fmaf(s[4 * j + 3], scale_log2, -mr1));
+        l0 += s[4 * j] + s[4 * j + 1];
+        l1 += s[4 * j + 2] + s[4 * j + 3];
+      }
+      l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+      l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+      l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+      l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+      uint32_t pf[8][4];
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk) acc_to_a_frag(pf[kk], s + 8 * kk);
+
+      float o[64];
+      wgmma_fence_operands(o);
+      wgmma_fence();  // pf was written by ordinary instructions
+      issue_pv(o, pf, v_base);
+      wgmma_commit();
+      // Under the product: the previous tile's reduce-adds must have finished reading the staging.
+      if (leader) bulk_wait_group_read<0>();
+      bar_sync(kBarStg + cw, 128);
+      wgmma_wait<0>();
+      wgmma_fence_operands(o);
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk) wgmma_fence_operands(pf[kk]);
+
+      float* row0 = stg + r0 * kD;
+      float* row1 = stg + r1 * kD;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const int at = ((j ^ perm) << 3) + 2 * c;
+        *reinterpret_cast<float2*>(row0 + at) = make_float2(o[4 * j], o[4 * j + 1]);
+        *reinterpret_cast<float2*>(row1 + at) = make_float2(o[4 * j + 2], o[4 * j + 3]);
+      }
+      if (c == 0) {
+        stg_l[r0] = l0;
+        stg_l[r1] = l1;
+      }
+      fence_proxy_async_shared();  // generic writes of the staging before the async-proxy reads
+      bar_sync(kBarStg + cw, 128);
+      if (leader) {
+        for (int j = 0; j < n; ++j) {
+          const int64_t row = static_cast<int64_t>(list[i * kTok + j] - c0) * M;
+          bulk_reduce_add_f32(acc_o + row * kD, stg_u32 + j * M * kD * 4, M * kD * 4);
+          bulk_reduce_add_f32(acc_l + row, stg_l_u32 + j * M * 4, M * 4);
+        }
+        bulk_commit_group();
+      }
+    }
+    tile_g += ntiles;
+    ::cuda::ptx::mbarrier_arrive(kv_empty);  // this thread no longer reads K, V or the list
+  }
+  if (leader) bulk_wait_group<0>();  // no bulk op outlives the CTA's shared memory
+}
+
+// ---- host side ----------------------------------------------------------------------------------
+
+// FLASHMSA_FWD_CHUNK (tokens per chunk; a multiple of 128, >= 128), read per call; anything else
+// (unset, malformed) gives the default.
+int chunk_tokens() {
+  const char* s = std::getenv("FLASHMSA_FWD_CHUNK");
+  if (s == nullptr || *s == '\0') return kDefaultChunk;
+  char* end = nullptr;
+  const long v = std::strtol(s, &end, 10);
+  if (*end != '\0' || v < 128 || v % 128 != 0 || v > (1L << 24)) return kDefaultChunk;
+  return static_cast<int>(v);
+}
+
+struct KvwPlan {
+  SelectionIndexPlan sel;
+  Workspace ws;
+  int m = 0, tok_per_tile = 0, C = 0, Ceff = 0, n_chunks = 0;
+  std::vector<int> c0, c1, g_lo, nb;
+  std::vector<int64_t> off;     // per chunk: first item slot inside a group's region
+  std::vector<int64_t> bound;   // per chunk: items at most
+  int64_t items_per_group = 0;
+  size_t o_items = 0, o_counts = 0;           // items [Hp, items_per_group]; n_items, counters [Hp, chunks] each
+  size_t o_acc_o = 0, o_acc_l = 0, o_mref = 0;  // the chunk accumulator
+};
+
+// Sizes and chunk ranges from the host copy of cu_seqlens (O(B + chunks log B) host work).
+KvwPlan plan_kvw(const MsaParams& p) {
+  KvwPlan pl;
+  pl.sel = selection_index_sizes(p);
+  reserve_selection_index(pl.sel, p, pl.ws, nullptr);
+  pl.m = p.H / p.Hp;
+  pl.tok_per_tile = kRows / pl.m;
+  pl.C = chunk_tokens();
+  pl.Ceff = static_cast<int>(std::min<int64_t>(pl.C, p.T));
+  pl.n_chunks = static_cast<int>((p.T + pl.C - 1) / pl.C);
+  const int32_t* cu = p.cu_seqlens_host;
+  std::vector<int> blk_off(p.B + 1, 0);
+  for (int b = 0; b < p.B; ++b) blk_off[b + 1] = blk_off[b] + (cu[b + 1] - cu[b] + kBlk - 1) / kBlk;
+  // Last sequence b with cu[b] <= t: the (non-empty) sequence holding token t < T.
+  auto seq_of = [&](int64_t t) {
+    return static_cast<int>(std::upper_bound(cu, cu + p.B + 1, t) - cu) - 1;
+  };
+  for (int c = 0; c < pl.n_chunks; ++c) {
+    const int64_t a = static_cast<int64_t>(c) * pl.C, z = std::min<int64_t>(p.T, a + pl.C);
+    const int s_lo = seq_of(a), s_hi = seq_of(z - 1);
+    // Blocks of the sequences the chunk touches, from the first of its first sequence (earlier
+    // blocks of that sequence are visible to its tokens) to the one holding its last token.
+    const int g_lo = blk_off[s_lo];
+    const int g_hi = blk_off[s_hi] + static_cast<int>((z - 1 - cu[s_hi]) / kBlk);
+    const int nb = g_hi - g_lo + 1;
+    // Items: sum over blocks of ceil(tiles / kMaxTiles) <= nb + (sum of tiles) / kMaxTiles, and
+    // sum of tiles <= entries / tok_per_tile + nb with entries <= tokens * K.
+    const int64_t entries = (z - a) * p.top_k;
+    const int64_t bound = nb + ((entries + pl.tok_per_tile - 1) / pl.tok_per_tile + nb) / kMaxTiles + 1;
+    pl.c0.push_back(static_cast<int>(a));
+    pl.c1.push_back(static_cast<int>(z));
+    pl.g_lo.push_back(g_lo);
+    pl.nb.push_back(nb);
+    pl.off.push_back(pl.items_per_group);
+    pl.bound.push_back(bound);
+    pl.items_per_group += bound;
+  }
+  pl.o_items = pl.ws.add(static_cast<size_t>(p.Hp) * pl.items_per_group * sizeof(int4));
+  pl.o_counts = pl.ws.add(2 * static_cast<size_t>(p.Hp) * pl.n_chunks * sizeof(int32_t));
+  // The chunk accumulator reuses the index's unsorted keys, sorted keys and unsorted values
+  // (contiguous, dead once the list offsets are built) when it fits there.
+  const size_t acc_o = static_cast<size_t>(pl.Ceff) * pl.m * kD * 4, acc_row = static_cast<size_t>(pl.Ceff) * pl.m * 4;
+  auto up = [](size_t x) { return (x + 255) / 256 * 256; };
+  const size_t need = up(acc_o) + 2 * up(acc_row);
+  if (need <= pl.sel.o_vals_out - pl.sel.o_keys_in) {
+    pl.o_acc_o = pl.sel.o_keys_in;
+  } else {
+    pl.o_acc_o = pl.ws.add(need);
+  }
+  pl.o_acc_l = pl.o_acc_o + up(acc_o);
+  pl.o_mref = pl.o_acc_l + up(acc_row);
+  return pl;
+}
+
+int sm_count(int device) {
+  int n = 0;
+  FLASHMSA_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+  return std::max(1, n);
+}
+
+template <int M>
+void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
+  KvwPlan pl = plan_kvw(p);
+  // Everything that can fail without side effects, before the workspace exists.
+  const CUtensorMap q_map = make_bf16_head_map(p.q, p.T, p.H, kD, M);
+  const CUtensorMap k_map = make_bf16_row_map(p.k, p.T, p.Hkv, kD, kBlk);
+  const CUtensorMap v_map = make_bf16_row_map(p.v, p.T, p.Hkv, kD, kBlk);
+  FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kvw_fwd_kernel<M>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  int device = 0;
+  FLASHMSA_CUDA_CHECK(cudaGetDevice(&device));
+  const int sms = sm_count(device);
+  const float scale_log2 = p.scale * kLog2e;
+  const int r = p.H / p.Hkv;
+  const auto* q = static_cast<const bf16*>(p.q);
+  const auto* k = static_cast<const bf16*>(p.k);
+  auto* o = static_cast<bf16*>(p.o);
+
+  Workspace& ws = pl.ws;
+  ws.allocate(stream);
+  try {
+    build_selection_index(p, pl.sel, ws, stream);
+    FLASHMSA_CUDA_CHECK(cudaMemsetAsync(overflow, 0, sizeof(int32_t) * p.T, stream));
+    int32_t* n_items = ws.at<int32_t>(pl.o_counts);     // [Hp, chunks]
+    int32_t* counters = n_items + p.Hp * pl.n_chunks;   // [Hp, chunks]
+    FLASHMSA_CUDA_CHECK(cudaMemsetAsync(counters, 0, sizeof(int32_t) * p.Hp * pl.n_chunks, stream));
+    int4* items = ws.at<int4>(pl.o_items);
+    for (int cb = 0; cb < pl.n_chunks; cb += kPlanBatch) {
+      PlanBatch pb;
+      pb.n = std::min(kPlanBatch, pl.n_chunks - cb);
+      for (int i = 0; i < pb.n; ++i) {
+        pb.c0[i] = pl.c0[cb + i];
+        pb.c1[i] = pl.c1[cb + i];
+        pb.g_lo[i] = pl.g_lo[cb + i];
+        pb.nb[i] = pl.nb[cb + i];
+        pb.off[i] = pl.off[cb + i];
+      }
+      kvw_plan_kernel<<<dim3(pb.n, p.Hp), kPlanThreads, 0, stream>>>(
+          pb, cb, pl.n_chunks, ws.at<int32_t>(pl.sel.o_seg), ws.at<int32_t>(pl.sel.o_vals_out), p.cu_seqlens,
+          ws.at<int32_t>(pl.sel.o_blk_off), ws.at<int32_t>(pl.sel.o_blk_seq), pl.sel.NB, p.top_k, pl.tok_per_tile,
+          pl.items_per_group, items, n_items);
+      FLASHMSA_CHECK_LAUNCH();
+    }
+
+    float* acc_o = ws.at<float>(pl.o_acc_o);  // [Ceff, M, 128]
+    float* acc_l = ws.at<float>(pl.o_acc_l);  // [Ceff, M]
+    float* mref = ws.at<float>(pl.o_mref);    // [Ceff, M]
+    // finprep: finalize (c_f, p_f) if any, prepare (c_n, p_n) if any.
+    auto finprep = [&](int c_f, int p_f, int c_n, int p_n) {
+      const int fin_n = c_f >= 0 ? pl.c1[c_f] - pl.c0[c_f] : 0;
+      const int prep_n = c_n >= 0 ? pl.c1[c_n] - pl.c0[c_n] : 0;
+      const int64_t rows = static_cast<int64_t>(std::max(fin_n, prep_n)) * M;
+      kvw_finprep_kernel<M><<<grid_for(rows * 32, 256), 256, 0, stream>>>(
+          c_f >= 0 ? pl.c0[c_f] : 0, fin_n, p_f * M, c_n >= 0 ? pl.c0[c_n] : 0, prep_n, p_n * M, p_n * M / r, q, k,
+          p.H, p.Hkv, p.T, scale_log2, mref, acc_o, acc_l, o, p.lse);
+      FLASHMSA_CHECK_LAUNCH();
+    };
+    finprep(-1, 0, 0, 0);
+    for (int c = 0; c < pl.n_chunks; ++c) {
+      for (int g = 0; g < p.Hp; ++g) {
+        const int slot = g * pl.n_chunks + c;
+        const unsigned grid = static_cast<unsigned>(std::min<int64_t>(pl.bound[c], sms));
+        kvw_fwd_kernel<M><<<grid, kThreads, kSmem, stream>>>(
+            q_map, k_map, v_map, items + g * pl.items_per_group + pl.off[c], n_items + slot, counters + slot,
+            ws.at<int32_t>(pl.sel.o_vals_out), mref, acc_o, acc_l, overflow, p.top_k, pl.c0[c], g * M,
+            g * M / r, scale_log2);
+        FLASHMSA_CHECK_LAUNCH();
+        const bool last_group = g + 1 == p.Hp;
+        const int c_n = last_group ? c + 1 : c, p_n = last_group ? 0 : g + 1;
+        finprep(c, g, c_n < pl.n_chunks ? c_n : -1, p_n);
+      }
+    }
+  } catch (...) {
+    ws.release(stream);
+    throw;
+  }
+  ws.release(stream);
+}
+
+}  // namespace
+
+bool kv_wgmma_forward_applies(const MsaParams& p) {
+  if (p.T <= 0 || p.deterministic || p.dtype != DType::bf16 || p.D != kD || p.Dv != kD || p.block_size != kBlk)
+    return false;
+  if (p.top_k < 1 || p.top_k > 32 || p.Hp <= 0 || p.Hkv <= 0 || p.H % p.Hp != 0 || p.H % p.Hkv != 0)
+    return false;
+  const int m = p.H / p.Hp;
+  if (m != 4 && m != 8 && m != 16) return false;
+  if ((p.H / p.Hkv) % m != 0) return false;  // a group lies inside one kv head
+  if (static_cast<int64_t>(p.Hp) * p.T * p.top_k >= INT32_MAX) return false;
+  return plan_kvw(p).ws.size() <= static_cast<size_t>(p.T) * p.H * p.D;
+}
+
+void launch_kv_wgmma_forward(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
+  if (!kv_wgmma_forward_applies(p))
+    throw Error("flashmsa: launch_kv_wgmma_forward: argument 'q': problem outside the kernel's shapes "
+                "(kv_wgmma_forward_applies is false)");
+  switch (p.H / p.Hp) {
+    case 4: run_kvw<4>(p, overflow, stream); break;
+    case 8: run_kvw<8>(p, overflow, stream); break;
+    default: run_kvw<16>(p, overflow, stream); break;
+  }
+}
+
+}  // namespace flashmsa::cuda
