@@ -495,12 +495,13 @@ TEST(CudaForward, KvMajorSmallGroupsWithoutKlAndEmpty) {
   }
 }
 
-// Routing: unset -> KV-major for m = 4, query-major for m = 16; "query" forces query-major.
-// lse is the fingerprint of the path: both paths write it without atomics (bitwise
-// reproducible), and their summation orders differ, so the two paths' lse differ in some bits.
+// Routing: unset -> wgmma KV-major where it applies and the KL value can follow it KV-major,
+// mma KV-major for other groups of fewer than 16 heads; "query", "kv", "wgmma" force a path.
+// lse is the fingerprint of the path: every path writes it without atomics (bitwise
+// reproducible), and their summation orders differ, so the paths' lse differ in some bits.
 TEST(CudaForward, ForwardPathRouting) {
   GPUTEST_REQUIRE_DEVICE();
-  auto run_paths = [](const Shape& s, uint64_t seed, bool default_is_kv) {
+  auto run_paths = [](const Shape& s, uint64_t seed, const char* expected_default) {
     Problem pr;
     gputest::make_problem(pr, s, seed);
     std::vector<int32_t> sel;
@@ -508,26 +509,28 @@ TEST(CudaForward, ForwardPathRouting) {
       ScopedForwardPath query("query");
       sel = run_gpu(pr).sel;
     }
-    GpuForward d, q, k;
+    GpuForward d;
     {
       ScopedForwardPath unset(nullptr);
       d = run_gpu_on(pr, sel, true);
     }
-    {
-      ScopedForwardPath query("query");
-      q = run_gpu_on(pr, sel, true);
-    }
-    {
-      ScopedForwardPath kv("kv");
-      k = run_gpu_on(pr, sel, true);
+    const char* names[3] = {"query", "kv", "wgmma"};
+    GpuForward forced[3];
+    for (int i = 0; i < 3; ++i) {
+      ScopedForwardPath path(names[i]);
+      forced[i] = run_gpu_on(pr, sel, true);
     }
     if (::testing::Test::HasFatalFailure()) return;
-    ASSERT_NE(q.lse, k.lse) << "query-major and KV-major lse identical: the fingerprint tells nothing";
-    if (default_is_kv) EXPECT_EQ(d.lse, k.lse) << "default routing did not take the KV-major path";
-    else EXPECT_EQ(d.lse, q.lse) << "default routing did not take the query-major path";
+    for (int i = 0; i < 3; ++i)
+      for (int j = i + 1; j < 3; ++j)
+        ASSERT_NE(forced[i].lse, forced[j].lse)
+            << names[i] << " and " << names[j] << " lse identical: the fingerprint tells nothing";
+    for (int i = 0; i < 3; ++i)
+      if (std::strcmp(names[i], expected_default) == 0)
+        EXPECT_EQ(d.lse, forced[i].lse) << "default routing did not take the " << names[i] << " path";
     CpuForward c;
     if (!run_cpu_forward(pr, sel, c)) return;
-    for (const GpuForward* g : {&d, &q, &k}) {
+    for (const GpuForward* g : {&d, &forced[0], &forced[1], &forced[2]}) {
       ASSERT_EQ(gputest::count_nonfinite(g->o), 0) << "o has unwritten (NaN) elements";
       EXPECT_LT(gputest::rel_l2(g->o, c.o), 1e-2) << "o rel L2 vs CPU backend";
       EXPECT_LT(gputest::max_abs_diff(g->lse, c.lse), 1e-3) << "lse max abs vs CPU backend";
@@ -535,8 +538,109 @@ TEST(CudaForward, ForwardPathRouting) {
           << "kl vs CPU backend: gpu " << g->kl << " cpu " << c.kl;
     }
   };
-  run_paths(shape(16, 2, 4, 1, 128, 16, {2100, 300}), 81, /*default_is_kv=*/true);
-  run_paths(shape(32, 2, 2, 1, 128, 8, {1400}), 82, /*default_is_kv=*/false);
+  // m = 4 on two kv heads of two groups each: the KL value cannot follow KV-major, so the mma
+  // KV-major kernel (fused KL) is the default; forced wgmma takes the query-major KL rows.
+  run_paths(shape(16, 2, 4, 1, 128, 16, {2100, 300}), 81, "kv");
+  // m = 16, Hkv = Hp: wgmma KV-major, then launch_kl_value.
+  run_paths(shape(32, 2, 2, 1, 128, 8, {1400}), 82, "wgmma");
+}
+
+// ---- wgmma KV-major forward (forward_kv_wgmma.cu): fixed softmax reference, chunk accumulators.
+
+// FLASHMSA_FWD_CHUNK for one scope: small chunks make sequences and key blocks straddle chunks.
+struct ScopedChunk : ScopedEnv {
+  explicit ScopedChunk(const char* tokens) : ScopedEnv("FLASHMSA_FWD_CHUNK", tokens) {}
+};
+
+// m = 16 on one kv head (the m3 group), 256-token chunks, a zero-length sequence, a sequence of
+// exactly one block, sequences shorter than a block and crossing chunk boundaries.
+TEST(CudaForward, WgmmaKvM16SeveralChunks) {
+  GPUTEST_REQUIRE_DEVICE();
+  ScopedForwardPath path("wgmma");
+  ScopedChunk chunk("256");
+  check_forward_case(shape(64, 4, 4, 1, 128, 16, {1100, 37, 0, 900, 128, 700}), 141);
+}
+
+// m = 4 (fm16k heads, two groups per kv head: K/V blocks shared by two groups' launches) and
+// m = 8 (gqa8) with the default chunk, local blocks, K = 1 and many short sequences; with the kl
+// output (query-major KL rows after the forward for m = 4, launch_kl_value for m = 8).
+TEST(CudaForward, WgmmaKvSmallGroups) {
+  GPUTEST_REQUIRE_DEVICE();
+  ScopedForwardPath path("wgmma");
+  check_forward_case(shape(16, 2, 4, 1, 128, 16, {1000, 50, 0, 2222, 128, 701}), 142);
+  check_forward_case(shape(32, 4, 4, 1, 128, 16, {2500, 77, 1100}), 143);
+  check_forward_case(shape(8, 1, 2, 1, 128, 6, {1300, 90}, 3), 144);
+  check_forward_case(shape(8, 2, 2, 1, 128, 1, {700, 129}), 145);
+  std::mt19937_64 rng(146);
+  std::vector<int> lengths(120);
+  for (int& l : lengths) l = static_cast<int>(rng() % 150);
+  lengths[5] = 0;
+  check_forward_case(shape(32, 2, 2, 2, 128, 4, lengths), 147);
+}
+
+// Rows whose best score exceeds the diagonal score by more than the fixed reference allows
+// (q of every other 300-token stretch scaled by 32, exact in bf16: scores of order 100) are
+// recomputed by the query-major kernel; the others keep the KV-major result. The test first
+// checks on the host that its inputs contain both kinds of tokens.
+TEST(CudaForward, WgmmaKvOverflowRowsRecomputed) {
+  GPUTEST_REQUIRE_DEVICE();
+  ScopedForwardPath path("wgmma");
+  ScopedChunk chunk("512");
+  Problem pr;
+  gputest::make_problem(pr, shape(32, 2, 2, 1, 128, 8, {1900, 700}), 148);
+  const Shape& s = pr.s;
+  for (int64_t t = 0; t < pr.T; ++t) {
+    if ((t / 300) % 2 == 0) continue;
+    for (int64_t i = t * s.H * s.D; i < (t + 1) * s.H * s.D; ++i)
+      if ((pr.q[i] & 0x7f80) != 0) pr.q[i] = static_cast<uint16_t>(pr.q[i] + (5 << 7));  // x 32
+  }
+  pr.dq.upload(pr.q);
+  // Host precondition: a row overflows for sure when its own block (always selected) holds a
+  // key scoring more than 64 / log2(e) above the diagonal.
+  auto f32 = [](uint16_t b) {
+    const uint32_t u = static_cast<uint32_t>(b) << 16;
+    float x;
+    std::memcpy(&x, &u, 4);
+    return x;
+  };
+  const double scale = 1.0 / std::sqrt(static_cast<double>(s.D));
+  int64_t overflowing = 0;
+  for (int b = 0; b < pr.B; ++b)
+    for (int64_t t = pr.cu[b]; t < pr.cu[b + 1]; ++t) {
+      bool over = false;
+      for (int h = 0; h < s.H && !over; ++h) {
+        const int kvh = h / (s.H / s.Hkv);
+        auto score = [&](int64_t j) {
+          double acc = 0;
+          for (int d = 0; d < s.D; ++d)
+            acc += static_cast<double>(f32(pr.q[(t * s.H + h) * s.D + d])) *
+                   f32(pr.k[(j * s.Hkv + kvh) * s.D + d]);
+          return acc * scale;
+        };
+        const double diag = score(t);
+        const int64_t first = pr.cu[b] + (t - pr.cu[b]) / 128 * 128;
+        for (int64_t j = first; j <= t && !over; ++j) over = score(j) - diag > 64.0 / std::log2(std::exp(1.0)) + 1;
+      }
+      overflowing += over;
+    }
+  std::printf("    tokens with an overflowing row (host, own block only): %lld of %lld\n",
+              static_cast<long long>(overflowing), static_cast<long long>(pr.T));
+  ASSERT_GT(overflowing, 100) << "the inputs do not exercise the recompute path";
+  ASSERT_LT(overflowing, pr.T / 2 + 1) << "the inputs do not keep any KV-major rows";
+
+  std::vector<int32_t> sel;
+  {
+    ScopedForwardPath query("query");
+    sel = run_gpu(pr).sel;
+  }
+  const GpuForward g = run_gpu_on(pr, sel, /*with_kl=*/false);
+  if (::testing::Test::HasFatalFailure()) return;
+  ASSERT_EQ(gputest::count_nonfinite(g.o), 0) << "o has unwritten or overflowed elements";
+  ASSERT_EQ(gputest::count_nonfinite(g.lse), 0) << "lse has unwritten or overflowed elements";
+  CpuForward c;
+  if (!run_cpu_forward(pr, sel, c)) return;
+  EXPECT_LT(gputest::rel_l2(g.o, c.o), 1e-2) << "o rel L2 vs CPU backend";
+  EXPECT_LT(gputest::max_abs_diff(g.lse, c.lse), 1e-3) << "lse max abs vs CPU backend";
 }
 
 // msa_forward = select_blocks + sparse_attention_forward, and reruns are bitwise identical.
@@ -565,8 +669,8 @@ TEST(CudaForward, MsaForwardMatchesAndIsDeterministic) {
 // The KL value KV-major (kl_value.cuh) against the old fused pass, the CPU backend, and itself in
 // deterministic mode, on a shape the wgmma kernels take.
 void check_kl_value_kv_major(const Shape& sh, uint64_t seed) {
-  // The query-major forward: the default at m = 16, forced for smaller groups.
-  ScopedForwardPath path(sh.H / sh.Hp < 16 ? "query" : nullptr);
+  // The query-major forward (o and lse bitwise the same on both KL routes).
+  ScopedForwardPath path("query");
   Problem pr;
   gputest::make_problem(pr, sh, seed);
   GpuForward kv, old;

@@ -45,6 +45,7 @@
 #include "common/reduce_scatter.cuh"
 #include "launchers.h"
 #include "sm90/forward_kv.cuh"
+#include "sm90/forward_kv_wgmma.cuh"
 #include "sm90/kl_value.cuh"
 #include "sm90/query_major.cuh"
 
@@ -66,6 +67,7 @@ struct FwdArgs {
   __nv_bfloat16* o;         // [T, H, D]
   float* lse;               // [H, T]
   float* kl_rows;           // [Hp, T] KL[p, t] before the mean
+  const int32_t* redo;      // [T] nullptr: every token; else only tokens t with redo[t] != 0
   int64_t T;
   int B, H, Hkv, Hp, Hpk, K;
   float scale_log2;         // scale * log2(e)
@@ -204,6 +206,7 @@ __global__ void __launch_bounds__(32)
   const int64_t unit = blockIdx.x;
   const int item = static_cast<int>(unit / a.T);
   const int64_t t = unit - static_cast<int64_t>(item) * a.T;
+  if (a.redo != nullptr && a.redo[t] == 0) return;
   const int h0 = items.packed[item] & 0xffff, rows = items.packed[item] >> 16;
   const int m = a.H / a.Hp;
   const int p = h0 / m, kvh = h0 / (a.H / a.Hkv);
@@ -620,19 +623,22 @@ void launch_forward(const FwdArgs& a, const HeadItems& items, bool with_kl, cuda
 
 void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
   // Path choice, read on every call (so a benchmark can flip it between runs):
-  // FLASHMSA_FORWARD_PATH=query forces this kernel, =kv the KV-major one (forward_kv.cu) where it
-  // applies; unset: KV-major where it applies and the group is smaller than 16 heads.
-  // m = 16 (m3, H200, with KL): KV-major 16.6 / 29.1 ms vs this kernel 12.9 / 27.0 ms at 16k / 32k,
-  // and 55.6 vs 55.1 ms at 64k (bench/results/h200_7007bf4_forward_paths.log), so this kernel stays
-  // the default there.
+  // FLASHMSA_FORWARD_PATH=query forces this kernel, =kv the mma.sync KV-major one (forward_kv.cu),
+  // =wgmma the wgmma KV-major one (forward_kv_wgmma.cu), each where it applies. Unset: wgmma
+  // KV-major where it applies and the KL value (if asked for) can be formed KV-major after it
+  // (launch_kl_value); else mma KV-major for groups of fewer than 16 heads; else this kernel.
   // m < 16: this kernel fills only m of its 16 MMA rows and streams a token's 16 blocks (1 MB) per
-  // (token, group) whatever m is; KV-major keeps 16 real rows per warp (16/m tokens) and reads each
-  // block once per CTA round. Measured (H200, commit 7007bf4, forward with KL): fm16k (m=4) S=16k
-  // 12.7 -> 7.2 ms; gqa8 (m=8) S=64k 54.9 -> 33.1 ms; m3 (m=16) 64k 55.1 vs 55.6 ms.
+  // (token, group) whatever m is; the mma KV-major kernel keeps 16 real rows per warp (16/m tokens)
+  // and reads each block once per CTA round. Measured (H200, commit 7007bf4, forward with KL):
+  // fm16k (m=4) S=16k 12.7 -> 7.2 ms; gqa8 (m=8) S=64k 54.9 -> 33.1 ms; m3 (m=16) 64k 55.1 vs 55.6 ms.
   const char* path = std::getenv("FLASHMSA_FORWARD_PATH");
   const bool force_query = path && std::strcmp(path, "query") == 0;
   const bool force_kv = path && std::strcmp(path, "kv") == 0;
-  if (p.T > 0 && !force_query && kv_forward_applies(p) && (force_kv || p.H / p.Hp < 16)) {
+  const bool force_wgmma = path && std::strcmp(path, "wgmma") == 0;
+  const bool kl_after = p.kl == nullptr || kl_value_applies(p);
+  const bool use_wgmma =
+      p.T > 0 && !force_query && !force_kv && kv_wgmma_forward_applies(p) && (force_wgmma || kl_after);
+  if (!use_wgmma && p.T > 0 && !force_query && kv_forward_applies(p) && (force_kv || p.H / p.Hp < 16)) {
     launch_kv_forward(p, stream);
     return;
   }
@@ -655,6 +661,7 @@ void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
   a.o = static_cast<__nv_bfloat16*>(p.o);
   a.lse = p.lse;
   a.kl_rows = nullptr;
+  a.redo = nullptr;
   a.T = p.T;
   a.B = p.B;
   a.H = p.H;
@@ -669,7 +676,18 @@ void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
   // ~28 ms of the 56 ms at m3/64k. FLASHMSA_BACKWARD_PATH=mma keeps the pass here.
   const bool kl_kv = p.kl != nullptr && kl_value_applies(p);
   const bool with_kl = p.kl != nullptr && !kl_kv;  // this file's KL passes
-  a.fuse_kl = with_kl && items.n == p.Hp;
+  // The wgmma KV-major kernel softmaxes every row against a fixed reference (its diagonal score);
+  // the tokens where a row's best score lies too far above it are flagged, and this kernel then
+  // recomputes exactly those tokens (a launch whose other CTAs return at once).
+  int32_t* redo = nullptr;
+  if (use_wgmma) {
+    FLASHMSA_CUDA_CHECK(cudaMallocAsync(&redo, sizeof(int32_t) * p.T, stream));
+    launch_kv_wgmma_forward(p, redo, stream);
+    a.redo = redo;
+  }
+  // The fused KL pass would see only the recomputed tokens: with `redo` the KL rows take the
+  // separate kernel.
+  a.fuse_kl = with_kl && items.n == p.Hp && redo == nullptr;
 
   if (with_kl)
     FLASHMSA_CUDA_CHECK(cudaMallocAsync(&a.kl_rows, sizeof(float) * p.T * p.Hp, stream));
@@ -687,6 +705,7 @@ void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
     FLASHMSA_CHECK_LAUNCH();
     FLASHMSA_CUDA_CHECK(cudaFreeAsync(a.kl_rows, stream));
   }
+  if (redo != nullptr) FLASHMSA_CUDA_CHECK(cudaFreeAsync(redo, stream));
   if (kl_kv) launch_kl_value(p, stream);  // reads the lse written above
 }
 
