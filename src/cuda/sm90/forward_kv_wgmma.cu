@@ -698,7 +698,10 @@ bool kv_wgmma_forward_applies(const MsaParams& p) {
   if (m != 4 && m != 8 && m != 16) return false;
   if ((p.H / p.Hkv) % m != 0) return false;  // a group lies inside one kv head
   if (static_cast<int64_t>(p.Hp) * p.T * p.top_k >= INT32_MAX) return false;
-  return plan_kvw(p).ws.size() <= static_cast<size_t>(p.T) * p.H * p.D;
+  // Workspace <= size(q) / 2 (performance.md's rule, which matters at scale), or <= 64 MiB: small
+  // problems (a few thousand tokens) would otherwise lose the path to the index's fixed costs.
+  const size_t limit = std::max<size_t>(static_cast<size_t>(p.T) * p.H * p.D, size_t{64} << 20);
+  return plan_kvw(p).ws.size() <= limit;
 }
 
 void launch_kv_wgmma_forward(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
