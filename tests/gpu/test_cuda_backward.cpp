@@ -393,6 +393,170 @@ TEST(CudaBackward, DeterministicWgmmaGroupOf16K16) {
   check_deterministic_wgmma(shape(32, 2, 2, 1, 128, 16, {2200, 333}), 27, 0.6f);
 }
 
+// ---- kv heads shared by G = Hp/Hkv > 1 proxy groups (the wgmma kernel's SHARED_KV form) ----
+
+uint32_t float_bits(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  return b;
+}
+
+// The path's fingerprint is kl's bits: every path reduces the KL terms in a fixed order (kl is
+// bitwise reproducible in fast mode too), and the wgmma and mma.sync kernels use different orders
+// on P from different MMAs, so their kl values differ in low bits. Equal bits mean the default
+// routing ran the mma kernel too (or that the fingerprint tells nothing: the reproducibility check).
+void expect_paths_differ(const Grads& wg, const Grads& wg_again, const Grads& mma, const std::string& what) {
+  EXPECT_EQ(float_bits(wg.kl), float_bits(wg_again.kl)) << what << ": kl not reproducible, no fingerprint";
+  EXPECT_NE(float_bits(wg.kl), float_bits(mma.kl))
+      << what << ": kl has the mma path's bits: the wgmma kernel did not run";
+}
+
+void expect_close(const Grads& a, const Grads& b, const std::string& what) {
+  const char* names[5] = {"dq", "dk", "dv", "dqp", "dkp"};
+  const std::vector<double>* x[5] = {&a.dq, &a.dk, &a.dv, &a.dqp, &a.dkp};
+  const std::vector<double>* y[5] = {&b.dq, &b.dk, &b.dv, &b.dqp, &b.dkp};
+  for (int i = 0; i < 5; ++i) {
+    const double e = gputest::rel_l2(*x[i], *y[i]);
+    EXPECT_LT(e, 1e-2) << what << ": " << names[i] << " rel L2";
+    std::printf("  %s %-4s rel L2 %.3e\n", what.c_str(), names[i], e);
+  }
+  const double kl_rel = std::fabs(a.kl - b.kl) / std::max(1e-30, std::fabs(static_cast<double>(b.kl)));
+  EXPECT_LT(kl_rel, 1e-3) << what << ": kl " << a.kl << " vs " << b.kl;
+}
+
+// D = 128, (H/Hkv) % m == 0 with Hp > Hkv: the default routing takes the wgmma kernel with dk/dv
+// added into accumulators by the G groups of a kv head. Against the CPU, against the mma.sync
+// kernel (FLASHMSA_BACKWARD_PATH=mma) on the same inputs, with the kl fingerprint; optionally
+// deterministic mode too (the DET + SHARED_KV form: int64 dk/dv), bitwise over reruns and
+// bitwise different from the mma kernel's deterministic result.
+void check_shared_kv(const Shape& s, uint64_t seed, float kl_grad, bool deterministic_too) {
+  ASSERT_EQ(s.D, 128);
+  ASSERT_GT(s.Hp, s.Hkv);
+  ASSERT_EQ((s.H / s.Hkv) % (s.H / s.Hp), 0);
+  Setup st;
+  make_setup(st, s, seed, true, kl_grad);
+  const Grads cpu = run_cpu(st);
+  DeviceSide d;
+  upload(d, st);
+  Grads wg, wg_again, mma;
+  {
+    ScopedBackwardPath path(nullptr);
+    wg = run_gpu(d, st, false);
+    wg_again = run_gpu(d, st, false);
+  }
+  {
+    ScopedBackwardPath path("mma");
+    mma = run_gpu(d, st, false);
+  }
+  compare(wg, cpu, "wgmma shared kv");
+  expect_close(wg, mma, "wgmma vs mma");
+  expect_close(wg_again, wg, "wgmma rerun");
+  expect_paths_differ(wg, wg_again, mma, "fast");
+  if (!deterministic_too) return;
+
+  Grads det, det_mma;
+  {
+    ScopedBackwardPath path(nullptr);
+    det = run_gpu(d, st, true);
+    compare(det, cpu, "det wgmma shared kv");
+    expect_close(det, wg, "det vs fast");
+    for (int run = 1; run < 4; ++run) {
+      const Grads again = run_gpu(d, st, true);
+      EXPECT_TRUE(again.raw == det.raw) << "deterministic run " << run << " differs bitwise";
+      EXPECT_EQ(float_bits(again.kl), float_bits(det.kl)) << "deterministic kl differs in run " << run;
+    }
+  }
+  {
+    ScopedBackwardPath path("mma");
+    det_mma = run_gpu(d, st, true);
+  }
+  expect_close(det, det_mma, "det wgmma vs det mma");
+  // Both are deterministic: equal bits everywhere would mean one kernel ran twice.
+  EXPECT_FALSE(det.raw == det_mma.raw) << "deterministic wgmma and mma gradients bitwise equal: wgmma did not run";
+  EXPECT_NE(float_bits(det.kl), float_bits(det_mma.kl)) << "det: kl has the mma path's bits";
+}
+
+TEST(CudaBackward, WgmmaSharedKvFm16kLike) {
+  GPUTEST_REQUIRE_DEVICE();
+  // The fm16k ratios (H = 16, Hkv = 2, Hp = 4, Hpk = 1, K = 16: m = 4, G = 2 groups per kv head,
+  // four groups on one proxy key head), several sequences: empty ones, partial last blocks
+  // (2200 = 17 x 128 + 24, 129, 333), K = 16 below the visible blocks late in the long one; g != 1.
+  check_shared_kv(shape(16, 2, 4, 1, 128, 16, {0, 2200, 129, 0, 333}), 30, 0.8f, false);
+}
+
+TEST(CudaBackward, WgmmaSharedKvHpkEqualsHp) {
+  GPUTEST_REQUIRE_DEVICE();
+  // H = 8, Hkv = 1, Hp = Hpk = 2: G = 2 with each group on its own proxy key head.
+  check_shared_kv(shape(8, 1, 2, 2, 128, 6, {700, 0, 300}), 31, 1.f, false);
+}
+
+TEST(CudaBackward, WgmmaSharedKvGroupsOfTwoG4) {
+  GPUTEST_REQUIRE_DEVICE();
+  // m = 2, G = 4 groups per kv head (H = 16, Hkv = 2, Hp = 8, Hpk = 1), a short partial sequence.
+  check_shared_kv(shape(16, 2, 8, 1, 128, 8, {1000, 45}), 32, -1.2f, false);
+}
+
+TEST(CudaBackward, DeterministicWgmmaSharedKv) {
+  GPUTEST_REQUIRE_DEVICE();
+  // G = 2 (fm16k ratios), deterministic mode: DET + SHARED_KV, int64 fixed-point dk/dv.
+  check_shared_kv(shape(16, 2, 4, 1, 128, 16, {1500, 0, 260}), 33, 0.6f, true);
+}
+
+// The forward's KL value on a G = 2 shape: kl_value_applies now holds, so the forward computes it
+// with the KV-major KL_ONLY kernel (its K loads from kv head p / G); FLASHMSA_BACKWARD_PATH=mma
+// keeps the forward's own KL pass. Both against the CPU's kl, with the same bits fingerprint.
+void check_kl_value_shared_kv(const Shape& shp, uint64_t seed) {
+  Setup st;
+  make_setup(st, shp, seed, false, 1.f);
+  const Shape& s = st.pr.s;
+  const int64_t T = st.pr.T;
+  float cpu_kl = std::nanf("");
+  {
+    std::vector<uint16_t> o(static_cast<size_t>(T * s.H * s.D));
+    std::vector<float> lse(static_cast<size_t>(s.H * T));
+    flashmsa::sparse_attention_forward(st.pr.host_inputs(),
+                                       flashmsa::make_view(st.sel.data(), DType::int32, {s.Hp, T, s.K}), st.opt,
+                                       flashmsa::make_view(o.data(), DType::bf16, {T, s.H, s.D}),
+                                       flashmsa::make_view(lse.data(), DType::fp32, {s.H, T}),
+                                       flashmsa::make_view(&cpu_kl, DType::fp32, {1}));
+  }
+  DeviceBuffer sel(st.sel.size() * 4), o(static_cast<size_t>(T * s.H * s.D) * 2),
+      lse(static_cast<size_t>(s.H * T) * 4), kl(4);
+  sel.upload(st.sel);
+  auto gpu_kl = [&]() {
+    kl.fill(gputest::kFloatPoison);
+    flashmsa::sparse_attention_forward(st.pr.device_inputs(), gputest::dview(sel, DType::int32, {s.Hp, T, s.K}),
+                                       st.opt, gputest::dview(o, DType::bf16, {T, s.H, s.D}),
+                                       gputest::dview(lse, DType::fp32, {s.H, T}), gputest::dview(kl, DType::fp32, {1}));
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    return kl.download<float>()[0];
+  };
+  float kv = 0, kv_again = 0, old = 0;
+  {
+    ScopedBackwardPath path(nullptr);
+    kv = gpu_kl();
+    kv_again = gpu_kl();
+  }
+  {
+    ScopedBackwardPath path("mma");
+    old = gpu_kl();
+  }
+  ASSERT_TRUE(std::isfinite(cpu_kl));
+  EXPECT_GT(cpu_kl, 0.f) << "a KL of zero would make the check vacuous";
+  for (float x : {kv, old}) {
+    ASSERT_TRUE(std::isfinite(x));
+    EXPECT_LT(std::fabs(x - cpu_kl), 1e-3 * std::fabs(cpu_kl) + 1e-7) << "gpu kl " << x << " cpu " << cpu_kl;
+  }
+  EXPECT_EQ(float_bits(kv), float_bits(kv_again)) << "kl not reproducible, no fingerprint";
+  EXPECT_NE(float_bits(kv), float_bits(old)) << "kl has the old route's bits: the KV-major KL value did not run";
+  std::printf("    kl KV-major %.7f, old route %.7f, cpu %.7f\n", kv, old, cpu_kl);
+}
+
+TEST(CudaBackward, KlValueSharedKvHead) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_kl_value_shared_kv(shape(16, 2, 4, 1, 128, 16, {0, 2200, 1, 333}), 34);
+}
+
 TEST(CudaBackward, EmptyBatchWritesZeroKl) {
   GPUTEST_REQUIRE_DEVICE();
   Shape s = shape(4, 1, 1, 1, 64, 4, {});

@@ -1,8 +1,11 @@
 // The folded fused backward on warpgroup MMA (wgmma), FlashAttention-3 style and transposed so
 // that the block's KEYS are the MMA's M dimension. It computes exactly what
 // attn_bwd_kernel<128, FOLD = true, DQ = true> computes (same accumulators, same outputs) for the
-// case fused_backward.cu routes here: D = Dv = Dp = 128, every kv head is exactly one proxy group
-// (H/Hkv == H/Hp = m >= 2: m3, gqa8), dk/dv owned by the CTA, fp32 atomics (not deterministic).
+// case fused_backward.cu routes here: D = Dv = Dp = 128, every kv head holds G = Hp/Hkv >= 1
+// whole proxy groups of m = H/Hp >= 2 heads ((H/Hkv) % m == 0). G = 1 (m3, gqa8): dk/dv owned by
+// the CTA, stored as bf16. G > 1 (SHARED_KV, fm16k: G = 2): the G groups' CTAs of a key block add
+// into the same dk/dv rows, through fp32 accumulators (int64 fixed point with DET) that
+// fused_backward.cu converts to bf16 afterwards.
 //
 // Why: the mma.sync kernel has 8 warps that each re-read the whole Q and dO tiles with ldmatrix
 // and is bound by shared-memory bandwidth and latency; wgmma reads a shared operand once per
@@ -22,13 +25,15 @@
 //     Software pipelined by one product: step s+1's S^T (or S_p^T) is issued right behind step
 //     s's dQ (dqp) and runs under step s's atomics; the stage is released (empty) as soon as
 //     dV/dK (dkp) are done, before dQ (dqp), which reads only the dS tile and K (Kp).
-//   End: dK (times scale), dV to bf16 in dk/dv; the block's KL share into kl_part in a fixed order.
+//   End: dK (times scale), dV to bf16 in dk/dv (SHARED_KV: added into dk_acc / dv_acc with 16-byte
+//   fp32 REDs, or int64 fixed-point ones with DET); the block's KL share into kl_part in a fixed order.
 // KL_ONLY (the forward's KL value, launch_kl_value in fused_backward.cu): only S^T, P^T, the
 // teacher sum and the KL terms of the above, K, Kp and Q / Qp loaded, no atomics at all.
 // DET (deterministic mode with top_k <= 32): no dQ at all (the query-major dq_kernel computes it
 // without atomics), so a head step neither writes the dS tile nor joins its two barriers, and
 // dqp / dkp go out as int64 fixed-point atomics (integer adds commute: the sums do not depend on
-// the atomics' order). dK, dV (owned) and the KL share have a fixed order already.
+// the atomics' order). dK, dV (owned) and the KL share have a fixed order already; SHARED_KV's
+// dK, dV go out as fixed point too (factors fx[1], fx[2]).
 //
 // Operand orientation (every tile bf16, 64-column slabs of R rows x 128 B, 128-byte swizzle):
 //   S^T, dP^T, S_p^T : A = K/V/Kp rows 64w.. (K-major), B = Q/dO/Qp (K-major)
@@ -193,7 +198,11 @@ __device__ __forceinline__ void ss_tokens_by_keys(float (&acc)[32], uint32_t ds_
 // the query-major dq_kernel writes dq), dqp / dkp as int64 fixed point with the factors fx[3],
 // fx[4]. Its head step retires dV / dK, releases the stage and issues the next step's S^T at
 // the same single call site as the full kernel, with nothing to wait for behind it.
-template <bool KL_ONLY, bool DET = false>
+// SHARED_KV = true (G = Hp/Hkv > 1 groups per kv head): the same loop; the epilogue adds dK, dV
+// into dk_acc / dv_acc instead of storing them. A template flag, not a runtime branch: the G = 1
+// instantiations run at the 240-register limit and must compile exactly as before. KL_ONLY needs
+// no flag (it writes no dk/dv; only the kv head it loads K from depends on G).
+template <bool KL_ONLY, bool DET = false, bool SHARED_KV = false>
 __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     const bf16* __restrict__ q,    // [T, H, 128]
     const bf16* __restrict__ k,    // [T, Hkv, 128]
@@ -206,8 +215,11 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     bf16* __restrict__ dk,         // [T, Hkv, 128] (owned: this CTA is the only writer of its rows)
     bf16* __restrict__ dv,         // [T, Hkv, 128]
     FoldArgs fa,                   // with DET, dqp_acc / dkp_acc are int64 accumulators
-    const float* __restrict__ fx) {  // [5] fixed-point factors (fixed_point_kernel), read only with DET
+    const float* __restrict__ fx,  // [5] fixed-point factors (fixed_point_kernel), read only with DET
+    void* __restrict__ dk_acc,     // [T, Hkv, 128] fp32 (int64 with DET), SHARED_KV only (else unused)
+    void* __restrict__ dv_acc) {   // [T, Hkv, 128] fp32 (int64 with DET), SHARED_KV only
   static_assert(!(KL_ONLY && DET), "the KL value has no gradients to make deterministic");
+  static_assert(!(KL_ONLY && SHARED_KV), "the KL value writes no dk/dv: one KL_ONLY form serves every G");
   using L = WgLayout<KL_ONLY>;
   constexpr int D = L::kD;
   extern __shared__ __align__(16) unsigned char wb_smem_raw[];
@@ -230,10 +242,14 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   uint64_t* empty = full + L::kStages;                           // [kStages]
   uint64_t* kv_full = full + 2 * L::kStages;                     // [1]
 
-  // Same grid order as attn_bwd_kernel: proxy group fastest (here one segment = one group).
+  // Same grid order as attn_bwd_kernel: proxy group fastest (here one segment = one group), so
+  // the G groups of one kv head and key block (SHARED_KV) are neighbours in the grid.
   const int g = blockIdx.x / Hp, p = blockIdx.x % Hp;
   const int m = H / Hp;
-  const int kvh = p;  // H/Hkv == m: kv head p is exactly group p
+  // Group p's heads p*m.. lie in kv head p*m / (H/Hkv) = p / G. The G = 1 backward keeps the
+  // literal p (its code unchanged). The producer's copy only: the consumers of SHARED_KV work it
+  // out again after their loop.
+  const int kvh = (KL_ONLY || SHARED_KV) ? p / (Hp / Hkv) : p;
   const int pk = p / (Hp / fa.Hpk);
   const BlockCtx bc = block_ctx(ix, p, g);
   const int ntiles = (bc.end - bc.begin + kTileTok - 1) / kTileTok;
@@ -608,7 +624,40 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   wgmma_wait<0>();  // the dropped product after the last step: no wgmma outlives the loop
   wgmma_fence_operands(s1);
 
-  if constexpr (!KL_ONLY) {
+  if constexpr (SHARED_KV) {
+    // This group's share of dk, dv. Rows past the sequence end belong to another sequence:
+    // predicated off. Also run by a CTA without tokens (adding zeros): an `if (steps > 0)` here
+    // made ptxas inject a warpgroup.wait (C7517).
+    {
+      // p read again from %ctaid through an opaque move: with kvh (or p itself) held through
+      // the loop, one register spilled.
+      unsigned cta;
+      asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(cta));
+      const int kvh_c = static_cast<int>(cta % static_cast<unsigned>(Hp)) / (Hp / Hkv);
+      const int key_lo = bc.key0 + kr;
+      const bool ok_lo = key_lo < bc.seq_len, ok_hi = key_lo + 8 < bc.seq_len;
+      const int64_t at_lo = ((bc.seq_start + key_lo) * Hkv + kvh_c) * D + 2 * c4;
+      const int64_t at_hi = at_lo + static_cast<int64_t>(8) * Hkv * D;
+      if constexpr (DET) {
+        const float fx_k = __ldg(fx + 1), fx_v = __ldg(fx + 2);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          wb_fx_tile(dk_acc, at_lo + 8 * j, at_hi + 8 * j, ok_lo, ok_hi, dK[4 * j] * scale, dK[4 * j + 1] * scale,
+                     dK[4 * j + 2] * scale, dK[4 * j + 3] * scale, fx_k);
+          wb_fx_tile(dv_acc, at_lo + 8 * j, at_hi + 8 * j, ok_lo, ok_hi, dV[4 * j], dV[4 * j + 1], dV[4 * j + 2],
+                     dV[4 * j + 3], fx_v);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          wb_red_tile(static_cast<float*>(dk_acc), at_lo + 8 * j, at_hi + 8 * j, ok_lo, ok_hi, dK[4 * j] * scale,
+                      dK[4 * j + 1] * scale, dK[4 * j + 2] * scale, dK[4 * j + 3] * scale, c4);
+          wb_red_tile(static_cast<float*>(dv_acc), at_lo + 8 * j, at_hi + 8 * j, ok_lo, ok_hi, dV[4 * j],
+                      dV[4 * j + 1], dV[4 * j + 2], dV[4 * j + 3], c4);
+        }
+      }
+    }
+  } else if constexpr (!KL_ONLY) {
     // dk, dv rows of this thread's keys; rows past the sequence end belong to another sequence.
 #pragma unroll
     for (int half = 0; half < 2; ++half) {

@@ -10,9 +10,10 @@
 //      (KV-major pre-pass, then a merge);
 //   4. attn_bwd_kernel (dq, dk, dv) and kl_bwd_kernel (dqp, dkp, KL), KV-major; when every proxy
 //      group lies inside one kv head, one attn_bwd_kernel (FOLD = true) does both (see the kernels);
-//      when each kv head is exactly one group and D = 128, the wgmma version of that folded kernel
-//      does (backward_wgmma.cuh; FLASHMSA_BACKWARD_PATH=mma forces the old one), in deterministic
-//      mode only with top_k <= 32 (its DET form, beside the query-major dq);
+//      when D = 128 (and groups of m >= 2 heads), the wgmma version of that folded kernel does
+//      (backward_wgmma.cuh; FLASHMSA_BACKWARD_PATH=mma forces the old one), in deterministic mode
+//      only with top_k <= 32 (its DET form, beside the query-major dq); with G > 1 groups per kv
+//      head its SHARED_KV form adds dk/dv into the same accumulators as the mma kernel;
 //   5. accumulators -> bf16, the KL sum -> kl.
 // launch_kl_value (the forward's KL value, kl_value.cuh) runs steps 2, 3 (student lse only) and
 // the wgmma kernel's KL_ONLY form, then the same KL sum.
@@ -264,24 +265,36 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
     fa.Hpk = p.Hpk;
     fa.scale_p = p.proxy_scale;
     fa.c_base = c_base;
-    // The wgmma kernel (backward_wgmma.cuh) takes D = 128 (= Dv = Dp, check_supported), each
-    // kv head exactly one proxy group (Hkv == Hp, so H/Hkv == m and dk/dv are owned). Fast mode:
-    // fp32 atomics (fx == nullptr, dq_acc exists). Deterministic mode only when dq is query-major
-    // (top_k <= 32, dq_acc == nullptr): its DET form has no dQ and takes dqp / dkp in int64 fixed
-    // point; with a dq accumulator (K > 32) the mma.sync kernel keeps dq.
+    // The wgmma kernel (backward_wgmma.cuh) takes D = 128 (= Dv = Dp, check_supported) and
+    // G = Hp/Hkv >= 1 whole proxy groups per kv head (wgmma_kv_applies). G = 1: dk/dv owned
+    // (main_owned), stored as bf16. G > 1: its SHARED_KV form adds them into dk_acc / dv_acc, the
+    // accumulators planned for the non-owned case (fp32, or int64 with fx), converted below.
+    // Fast mode: fp32 atomics (fx == nullptr, dq_acc exists). Deterministic mode only when dq is
+    // query-major (top_k <= 32, dq_acc == nullptr): its DET form has no dQ and takes dqp / dkp
+    // (and SHARED_KV's dk / dv) in int64 fixed point; with a dq accumulator (K > 32) the mma.sync
+    // kernel keeps dq.
     if constexpr (D == 128) {
       const bool fast = fx == nullptr && dq_acc != nullptr, det = fx != nullptr && dq_acc == nullptr;
       if (wgmma_kv_applies(p) && (fast || det)) {
+        const bool shared_kv = p.Hp > p.Hkv;  // G > 1
+        if (shared_kv == main_owned || (shared_kv && (dk_acc == nullptr || dv_acc == nullptr)))
+          throw Error("flashmsa: fused_backward: internal error: wgmma dk/dv ownership does not match the plan");
         auto launch_wgmma = [&](auto kernel) {
           constexpr int smem = bwd::WgBwd::kSmem;
           set_smem(kernel, smem);
           kernel<<<static_cast<unsigned>(ix.NB) * p.Hp, bwd::WgBwd::kThreads, smem, stream>>>(
               q, k, v, static_cast<const bf16*>(p.d_o), p.lse, di, ix, p.H, p.Hkv, p.Hp, p.scale,
-              static_cast<float*>(dq_acc), static_cast<bf16*>(p.dk), static_cast<bf16*>(p.dv), fa, fx);
+              static_cast<float*>(dq_acc), static_cast<bf16*>(p.dk), static_cast<bf16*>(p.dv), fa, fx, dk_acc,
+              dv_acc);
           FLASHMSA_CHECK_LAUNCH();
         };
-        if (det) launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, true>);
-        else launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, false>);
+        if (shared_kv) {
+          if (det) launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, true, true>);
+          else launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, false, true>);
+        } else {
+          if (det) launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, true>);
+          else launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, false>);
+        }
         return;
       }
     }
@@ -325,8 +338,10 @@ KlValuePlan plan_kl_value(const MsaParams& p, cudaStream_t stream) {
 }  // namespace
 
 bool wgmma_kv_applies(const MsaParams& p) {
-  return p.D == 128 && p.Dv == 128 && p.Dp == 128 && p.Hkv == p.Hp && p.H / p.Hp >= 2 &&
-         !backward_path_forces_mma();
+  // Groups of m = H/Hp >= 2 heads, whole groups per kv head: (H/Hkv) % m == 0, i.e. G = Hp/Hkv
+  // is an integer >= 1 (the folded kernel's condition, `fold` in launch_fused_backward).
+  const int m = p.H / p.Hp, r = p.H / p.Hkv;
+  return p.D == 128 && p.Dv == 128 && p.Dp == 128 && m >= 2 && r % m == 0 && !backward_path_forces_mma();
 }
 
 bool kl_value_applies(const MsaParams& p) {
@@ -357,7 +372,7 @@ void launch_kl_value(const MsaParams& p, cudaStream_t stream) {
   set_smem(bwd::attn_bwd_wgmma_kernel<true>, smem);
   bwd::attn_bwd_wgmma_kernel<true><<<static_cast<unsigned>(ix.NB) * p.Hp, bwd::WgKl::kThreads, smem, stream>>>(
       static_cast<const bf16*>(p.q), static_cast<const bf16*>(p.k), nullptr, nullptr, p.lse, nullptr, ix, p.H,
-      p.Hkv, p.Hp, p.scale, nullptr, nullptr, nullptr, fa, nullptr);
+      p.Hkv, p.Hp, p.scale, nullptr, nullptr, nullptr, fa, nullptr, nullptr, nullptr);
   FLASHMSA_CHECK_LAUNCH();
   launch_kl_final(p, stream, ws.at<float>(kp.o_kl_part), kp.sel.nkeys);
   ws.release(stream);

@@ -10,9 +10,10 @@
 
 namespace flashmsa::cuda {
 
-// The shapes of the wgmma kernels (D = Dv = Dp = 128, each kv head exactly one proxy group of
-// H/Hp >= 2 heads), unless FLASHMSA_BACKWARD_PATH=mma asks for the old kernels. The backward adds
-// its own condition (not deterministic); the KL value has no atomics and needs none.
+// The shapes of the wgmma kernels (D = Dv = Dp = 128, proxy groups of m = H/Hp >= 2 heads, each
+// kv head holding G = Hp/Hkv >= 1 whole groups: (H/Hkv) % m == 0), unless
+// FLASHMSA_BACKWARD_PATH=mma asks for the old kernels. The backward adds its own condition
+// (deterministic mode only with top_k <= 32); the KL value has no atomics and needs none.
 bool wgmma_kv_applies(const MsaParams& p);
 
 // wgmma_kv_applies, T > 0, K <= 32 (the dense warm-up's all-blocks index would make the inverted
