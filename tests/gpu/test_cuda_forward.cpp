@@ -501,7 +501,7 @@ TEST(CudaForward, KvMajorSmallGroupsWithoutKlAndEmpty) {
 // reproducible), and their summation orders differ, so the paths' lse differ in some bits.
 TEST(CudaForward, ForwardPathRouting) {
   GPUTEST_REQUIRE_DEVICE();
-  auto run_paths = [](const Shape& s, uint64_t seed, const char* expected_default) {
+  auto run_paths = [](const Shape& s, uint64_t seed, const char* expected_default, int n_paths) {
     Problem pr;
     gputest::make_problem(pr, s, seed);
     std::vector<int32_t> sel;
@@ -514,23 +514,25 @@ TEST(CudaForward, ForwardPathRouting) {
       ScopedForwardPath unset(nullptr);
       d = run_gpu_on(pr, sel, true);
     }
+    // The first n_paths of these apply to the shape (a forced path that does not apply falls back).
     const char* names[3] = {"query", "kv", "wgmma"};
     GpuForward forced[3];
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < n_paths; ++i) {
       ScopedForwardPath path(names[i]);
       forced[i] = run_gpu_on(pr, sel, true);
     }
     if (::testing::Test::HasFatalFailure()) return;
-    for (int i = 0; i < 3; ++i)
-      for (int j = i + 1; j < 3; ++j)
+    for (int i = 0; i < n_paths; ++i)
+      for (int j = i + 1; j < n_paths; ++j)
         ASSERT_NE(forced[i].lse, forced[j].lse)
             << names[i] << " and " << names[j] << " lse identical: the fingerprint tells nothing";
-    for (int i = 0; i < 3; ++i)
+    for (int i = 0; i < n_paths; ++i)
       if (std::strcmp(names[i], expected_default) == 0)
         EXPECT_EQ(d.lse, forced[i].lse) << "default routing did not take the " << names[i] << " path";
     CpuForward c;
     if (!run_cpu_forward(pr, sel, c)) return;
-    for (const GpuForward* g : {&d, &forced[0], &forced[1], &forced[2]}) {
+    for (int i = -1; i < n_paths; ++i) {
+      const GpuForward* g = i < 0 ? &d : &forced[i];
       ASSERT_EQ(gputest::count_nonfinite(g->o), 0) << "o has unwritten (NaN) elements";
       EXPECT_LT(gputest::rel_l2(g->o, c.o), 1e-2) << "o rel L2 vs CPU backend";
       EXPECT_LT(gputest::max_abs_diff(g->lse, c.lse), 1e-3) << "lse max abs vs CPU backend";
@@ -538,11 +540,12 @@ TEST(CudaForward, ForwardPathRouting) {
           << "kl vs CPU backend: gpu " << g->kl << " cpu " << c.kl;
     }
   };
-  // m = 4 on two kv heads of two groups each: the KL value cannot follow KV-major, so the mma
-  // KV-major kernel (fused KL) is the default; forced wgmma takes the query-major KL rows.
-  run_paths(shape(16, 2, 4, 1, 128, 16, {2100, 300}), 81, "kv");
-  // m = 16, Hkv = Hp: wgmma KV-major, then launch_kl_value.
-  run_paths(shape(32, 2, 2, 1, 128, 8, {1400}), 82, "wgmma");
+  // m = 4 on two kv heads of two groups each (fm16k's heads) and m = 16 on Hkv = Hp: wgmma
+  // KV-major, then launch_kl_value.
+  run_paths(shape(16, 2, 4, 1, 128, 16, {2100, 300}), 81, "wgmma", 3);
+  run_paths(shape(32, 2, 2, 1, 128, 8, {1400}), 82, "wgmma", 3);
+  // m = 2: no wgmma forward; the mma KV-major kernel (fused KL) is the default.
+  run_paths(shape(8, 2, 4, 4, 128, 8, {1500, 260}), 83, "kv", 2);
 }
 
 // ---- wgmma KV-major forward (forward_kv_wgmma.cu): fixed softmax reference, chunk accumulators.
