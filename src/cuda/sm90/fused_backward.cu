@@ -179,11 +179,16 @@ void set_smem(Kernel kernel, int bytes) {
 }
 
 // FLASHMSA_BACKWARD_PATH=mma keeps the mma.sync attn_bwd_kernel for the shapes that otherwise
-// take the wgmma kernel (A/B timing, and a fallback); read per call. Any other value, or none:
-// the default routing.
+// take the wgmma kernel (A/B timing, and a fallback); =wgmma makes it an error when the wgmma
+// kernel does not take the problem (tests); read per call. Any other value, or none: the default
+// routing.
 bool backward_path_forces_mma() {
   const char* path = std::getenv("FLASHMSA_BACKWARD_PATH");
   return path != nullptr && std::strcmp(path, "mma") == 0;
+}
+bool backward_path_requires_wgmma() {
+  const char* path = std::getenv("FLASHMSA_BACKWARD_PATH");
+  return path != nullptr && std::strcmp(path, "wgmma") == 0;
 }
 
 // kl_coeff / (Hp*T): the KL value's factor on its sum of terms, and dS_proxy's before g.
@@ -409,6 +414,14 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // dq_kernel reads a token's selection one entry per lane; the dense warm-up's all-blocks
   // index (K > 32) keeps dq on the fixed-point path.
   const bool dq_query_major = det && K <= 32;
+  // FLASHMSA_BACKWARD_PATH=wgmma: an error (before anything is allocated or written) unless the
+  // wgmma kernel takes this problem -- how tests prove which kernel ran, since on small grids
+  // both kernels can give the same bits.
+  const bool takes_wgmma = fold && p.D == 128 && wgmma_kv_applies(p) && (!det || dq_query_major);
+  if (backward_path_requires_wgmma() && !takes_wgmma)
+    throw Error("flashmsa: fused_backward: FLASHMSA_BACKWARD_PATH=wgmma, but the wgmma kernel does not take "
+                "this problem (argument 'q': D = Dv = Dp = 128, whole proxy groups of >= 2 heads per kv head, "
+                "top_k <= 32 in deterministic mode)");
   const HeadItems dq_items = dq_query_major ? make_items(p, "fused_backward") : HeadItems{};
 
   Workspace ws;

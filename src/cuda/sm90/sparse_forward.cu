@@ -623,8 +623,9 @@ void launch_forward(const FwdArgs& a, const HeadItems& items, bool with_kl, cuda
 
 void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
   // Path choice, read on every call (so a benchmark can flip it between runs):
-  // FLASHMSA_FORWARD_PATH=query forces this kernel, =kv the mma.sync KV-major one (forward_kv.cu),
-  // =wgmma the wgmma KV-major one (forward_kv_wgmma.cu), each where it applies. Unset: wgmma
+  // FLASHMSA_FORWARD_PATH=query forces this kernel, =kv the mma.sync KV-major one (forward_kv.cu)
+  // where it applies, =wgmma the wgmma KV-major one (forward_kv_wgmma.cu; an error where it does
+  // not apply, so tests know which kernel ran: its sums are not bitwise reproducible). Unset: wgmma
   // KV-major where it applies and the KL value (if asked for) can be formed KV-major after it
   // (launch_kl_value); else mma KV-major for groups of fewer than 16 heads; else this kernel.
   // m < 16: this kernel fills only m of its 16 MMA rows and streams a token's 16 blocks (1 MB) per
@@ -638,6 +639,10 @@ void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
   const bool kl_after = p.kl == nullptr || kl_value_applies(p);
   const bool use_wgmma =
       p.T > 0 && !force_query && !force_kv && kv_wgmma_forward_applies(p) && (force_wgmma || kl_after);
+  if (force_wgmma && p.T > 0 && !use_wgmma)
+    throw Error("flashmsa: sparse_attention_forward: FLASHMSA_FORWARD_PATH=wgmma, but the wgmma KV-major "
+                "forward does not take this problem (argument 'q': D = Dv = 128, groups of 4, 8 or 16 heads "
+                "inside one kv head, top_k <= 32, not deterministic)");
   if (!use_wgmma && p.T > 0 && !force_query && kv_forward_applies(p) && (force_kv || p.H / p.Hp < 16)) {
     launch_kv_forward(p, stream);
     return;
