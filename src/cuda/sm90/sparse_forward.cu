@@ -67,7 +67,6 @@ struct FwdArgs {
   __nv_bfloat16* o;         // [T, H, D]
   float* lse;               // [H, T]
   float* kl_rows;           // [Hp, T] KL[p, t] before the mean
-  const int32_t* redo;      // [T] nullptr: every token; else only tokens t with redo[t] != 0
   int64_t T;
   int B, H, Hkv, Hp, Hpk, K;
   float scale_log2;         // scale * log2(e)
@@ -192,9 +191,10 @@ __device__ __forceinline__ Cursor cursor_begin(Selection<true>& sel) {
   return cursor_pop(sel, {sel.mask, 0, 0, -1, false});
 }
 
+// One (item, token) unit = unit / T, unit % T: a token's rows of one head item, and (with
+// fuse_kl) the token's KL row.
 template <int D, bool kWide>
-__global__ void __launch_bounds__(32)
-    sparse_forward_kernel(const FwdArgs a, const HeadItems items) {
+__device__ __forceinline__ void forward_unit(const FwdArgs& a, const HeadItems& items, const int64_t unit) {
   constexpr int kRowBytes = D * 2;
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned char* k_s = smem;                         // [2][32][D]
@@ -203,10 +203,8 @@ __global__ void __launch_bounds__(32)
   unsigned char* q_s = k_s + kSub * kRowBytes;
 
   const int lane = threadIdx.x;
-  const int64_t unit = blockIdx.x;
   const int item = static_cast<int>(unit / a.T);
   const int64_t t = unit - static_cast<int64_t>(item) * a.T;
-  if (a.redo != nullptr && a.redo[t] == 0) return;
   const int h0 = items.packed[item] & 0xffff, rows = items.packed[item] >> 16;
   const int m = a.H / a.Hp;
   const int p = h0 / m, kvh = h0 / (a.H / a.Hkv);
@@ -407,6 +405,36 @@ __global__ void __launch_bounds__(32)
   if (lane == 0) a.kl_rows[p * a.T + t] = ent - cross + (mx + __logf(ssum)) * tsum;
 }
 
+template <int D, bool kWide>
+__global__ void __launch_bounds__(32)
+    sparse_forward_kernel(const FwdArgs a, const HeadItems items) {
+  forward_unit<D, kWide>(a, items, blockIdx.x);
+}
+
+// The tokens the wgmma KV-major forward flagged (its fixed softmax reference overflowed), each
+// with all its head items: list[0 .. *count), any order (each token is recomputed on its own).
+// A small grid loops over them, so the common case (no token flagged) costs one short launch.
+template <int D>
+__global__ void __launch_bounds__(32)
+    redo_forward_kernel(const FwdArgs a, const HeadItems items, const int32_t* __restrict__ list,  // [T]
+                        const int32_t* __restrict__ count) {                                     // [1]
+  const int64_t n = static_cast<int64_t>(*count) * items.n;
+  for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
+    const int item = static_cast<int>(i % items.n);
+    forward_unit<D, false>(a, items, item * a.T + list[i / items.n]);
+    __syncwarp();  // the next unit refills shared memory
+  }
+}
+
+// redo[T] (0/1 per token) -> list[0 .. *count) of the flagged tokens; *count zeroed by the caller.
+__global__ void compact_redo_kernel(const int32_t* __restrict__ redo, int64_t T,
+                                    int32_t* __restrict__ list,     // [T]
+                                    int32_t* __restrict__ count) {  // [1]
+  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < T;
+       t += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    if (redo[t] != 0) list[atomicAdd(count, 1)] = static_cast<int32_t>(t);
+}
+
 // Teacher sums (per key, over the group's heads) and proxy scores of the visible keys of one
 // selection (K <= 32 entries, or one window of 32) into teach / sprox [32 or K][128], indexed
 // by the block's ordinal among the selection's visible blocks.
@@ -603,6 +631,16 @@ __global__ void __launch_bounds__(1024)
   if (threadIdx.x == 0) out[0] = coeff * part[0] / static_cast<float>(n);
 }
 
+// KL[p, t] of every (proxy head, token) into a.kl_rows from the lse already written.
+template <int D, bool kWide>
+void launch_kl_rows(const FwdArgs& a, const HeadItems& items, cudaStream_t stream) {
+  const size_t kl_smem = 2 * kSub * D * 2 + 2 * sizeof(float) * (kWide ? 32 : a.K) * kBlk;
+  auto klk = kl_rows_kernel<D, kWide>;
+  FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(klk, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kl_smem));
+  klk<<<static_cast<unsigned>(a.T * a.Hp), 32, kl_smem, stream>>>(a, items);
+  FLASHMSA_CHECK_LAUNCH();
+}
+
 template <int D, bool kWide>
 void launch_forward(const FwdArgs& a, const HeadItems& items, bool with_kl, cudaStream_t stream) {
   const size_t fwd_smem = 4 * kSub * D * 2;
@@ -611,12 +649,7 @@ void launch_forward(const FwdArgs& a, const HeadItems& items, bool with_kl, cuda
   const int64_t units = a.T * items.n;
   fwd<<<static_cast<unsigned>(units), 32, fwd_smem, stream>>>(a, items);
   FLASHMSA_CHECK_LAUNCH();
-  if (!with_kl || a.fuse_kl) return;
-  const size_t kl_smem = 2 * kSub * D * 2 + 2 * sizeof(float) * (kWide ? 32 : a.K) * kBlk;
-  auto klk = kl_rows_kernel<D, kWide>;
-  FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(klk, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kl_smem));
-  klk<<<static_cast<unsigned>(a.T * a.Hp), 32, kl_smem, stream>>>(a, items);
-  FLASHMSA_CHECK_LAUNCH();
+  if (with_kl && !a.fuse_kl) launch_kl_rows<D, kWide>(a, items, stream);
 }
 
 }  // namespace
@@ -666,7 +699,6 @@ void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
   a.o = static_cast<__nv_bfloat16*>(p.o);
   a.lse = p.lse;
   a.kl_rows = nullptr;
-  a.redo = nullptr;
   a.T = p.T;
   a.B = p.B;
   a.H = p.H;
@@ -681,24 +713,32 @@ void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
   // ~28 ms of the 56 ms at m3/64k. FLASHMSA_BACKWARD_PATH=mma keeps the pass here.
   const bool kl_kv = p.kl != nullptr && kl_value_applies(p);
   const bool with_kl = p.kl != nullptr && !kl_kv;  // this file's KL passes
-  // The wgmma KV-major kernel softmaxes every row against a fixed reference (its diagonal score);
-  // the tokens where a row's best score lies too far above it are flagged, and this kernel then
-  // recomputes exactly those tokens (a launch whose other CTAs return at once).
-  int32_t* redo = nullptr;
-  if (use_wgmma) {
-    FLASHMSA_CUDA_CHECK(cudaMallocAsync(&redo, sizeof(int32_t) * p.T, stream));
-    launch_kv_wgmma_forward(p, redo, stream);
-    a.redo = redo;
-  }
-  // The fused KL pass would see only the recomputed tokens: with `redo` the KL rows take the
-  // separate kernel.
-  a.fuse_kl = with_kl && items.n == p.Hp && redo == nullptr;
-
+  a.fuse_kl = with_kl && items.n == p.Hp && !use_wgmma;
   if (with_kl)
     FLASHMSA_CUDA_CHECK(cudaMallocAsync(&a.kl_rows, sizeof(float) * p.T * p.Hp, stream));
-  // K <= 32 keeps the single-window kernels (the sparse-training path); wider rows (the dense
-  // warm-up) take the windowed ones.
-  if (p.D == 64) {
+  if (use_wgmma) {
+    // The wgmma KV-major kernel softmaxes every row against a fixed reference (its diagonal
+    // score); the tokens where a row's best score lies too far above it are flagged, and
+    // redo_forward_kernel recomputes exactly those with this file's exact online softmax.
+    int32_t* redo = nullptr;  // [T] flags, then [T] list, then the count
+    FLASHMSA_CUDA_CHECK(cudaMallocAsync(&redo, sizeof(int32_t) * (2 * p.T + 1), stream));
+    int32_t* list = redo + p.T;
+    int32_t* count = list + p.T;
+    launch_kv_wgmma_forward(p, redo, stream);
+    FLASHMSA_CUDA_CHECK(cudaMemsetAsync(count, 0, sizeof(int32_t), stream));
+    compact_redo_kernel<<<static_cast<unsigned>(std::min<int64_t>(4096, (p.T + 255) / 256)), 256, 0, stream>>>(
+        redo, p.T, list, count);
+    FLASHMSA_CHECK_LAUNCH();
+    const size_t smem = 4 * kSub * 128 * 2;
+    auto redo_kernel = redo_forward_kernel<128>;
+    FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(redo_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    redo_kernel<<<1024, 32, smem, stream>>>(a, items, list, count);
+    FLASHMSA_CHECK_LAUNCH();
+    FLASHMSA_CUDA_CHECK(cudaFreeAsync(redo, stream));
+    if (with_kl) launch_kl_rows<128, false>(a, items, stream);  // forced path, KL not KV-major
+  } else if (p.D == 64) {
+    // K <= 32 keeps the single-window kernels (the sparse-training path); wider rows (the dense
+    // warm-up) take the windowed ones.
     if (a.K <= 32) launch_forward<64, false>(a, items, with_kl, stream);
     else launch_forward<64, true>(a, items, with_kl, stream);
   } else {
@@ -710,7 +750,6 @@ void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
     FLASHMSA_CHECK_LAUNCH();
     FLASHMSA_CUDA_CHECK(cudaFreeAsync(a.kl_rows, stream));
   }
-  if (redo != nullptr) FLASHMSA_CUDA_CHECK(cudaFreeAsync(redo, stream));
   if (kl_kv) launch_kl_value(p, stream);  // reads the lse written above
 }
 
