@@ -24,7 +24,10 @@
 // and every reduce-add would be an HBM read-modify-write. Tokens are
 // processed in chunks of C (default: 32 MB of acc_o, 4096 tokens at m = 16; FLASHMSA_FWD_CHUNK
 // overrides: a multiple of 128 >= 128) per proxy group p: acc_o [C, m, 128] fp32, acc_l and mref [C, m], which stay
-// in the H200's 50 MB L2 while the chunk is processed. Per (p, chunk), on the stream:
+// in the H200's 50 MB L2 while the chunk is processed. S proxy groups (FLASHMSA_FWD_STREAMS,
+// default 2, at most Hp) run concurrently, group p on helper stream p % S with that stream's own
+// accumulator (the default C then splits the 32 MB: 2048 tokens per stream at m = 16), forked
+// from and joined back to the caller's stream by events. Per (p, chunk), on its stream:
 //   finprep: finalize the previous (p, chunk) from the accumulator (o, lse) and in the same pass
 //            prepare this one (mref of its rows, accumulator zeroed);
 //   main:    one persistent CTA per SM takes work items (below) from a counter until none is left.
@@ -70,7 +73,8 @@
 // bandwidth, above the ~7 ms of the tensor cores: this kernel is expected to be L2-bound too,
 // at a fifth of the query-major traffic. Not measured yet. Known costs: one K/V load latency per
 // item (K/V are not double-buffered: no shared memory left), finprep's pass over the accumulator
-// (~1 ms at m3/64k), and 2 launches per (group, chunk) with a ramp and a tail each.
+// (~1 ms at m3/64k), and 2 launches per (group, chunk) with a ramp and a tail each (measured:
+// 17% of the SM cycles of a launch at m3/64k, C = 4096; what the concurrent streams fill).
 #include "sm90/forward_kv_wgmma.cuh"
 
 #include <cuda_bf16.h>
@@ -80,6 +84,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <mutex>
 #include <vector>
 
 #include "common/bf16.cuh"
@@ -529,10 +534,26 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
 
 // ---- host side ----------------------------------------------------------------------------------
 
-// FLASHMSA_FWD_CHUNK (tokens per chunk; a multiple of 128, >= 128), read per call; anything else
-// (unset, malformed) gives the default for groups of m heads.
-int chunk_tokens(int m) {
-  const int fallback = static_cast<int>(kAccBudget / (static_cast<size_t>(m) * kD * 4) / kBlk * kBlk);
+// FLASHMSA_FWD_STREAMS (1 .. kMaxStreams), read per call: how many proxy groups run their
+// (finprep, main) sequences concurrently, each on its own helper stream with its own accumulator.
+// 1 keeps everything on the caller's stream (no events). Anything else gives the default.
+constexpr int kMaxStreams = 4;
+constexpr int kDefaultStreams = 2;
+int stream_count() {
+  const char* s = std::getenv("FLASHMSA_FWD_STREAMS");
+  if (s == nullptr || *s == '\0') return kDefaultStreams;
+  char* end = nullptr;
+  const long v = std::strtol(s, &end, 10);
+  if (*end != '\0' || v < 1 || v > kMaxStreams) return kDefaultStreams;
+  return static_cast<int>(v);
+}
+
+// FLASHMSA_FWD_CHUNK (tokens per chunk and stream; a multiple of 128, >= 128), read per call;
+// anything else (unset, malformed) gives the default: the S concurrent accumulators share
+// kAccBudget, so that all of them stay in L2 together (2048 tokens at m = 16, S = 2).
+int chunk_tokens(int m, int streams) {
+  const size_t per_token = static_cast<size_t>(m) * kD * 4 * static_cast<size_t>(streams);
+  const int fallback = std::max(kBlk, static_cast<int>(kAccBudget / per_token / kBlk * kBlk));
   const char* s = std::getenv("FLASHMSA_FWD_CHUNK");
   if (s == nullptr || *s == '\0') return fallback;
   char* end = nullptr;
@@ -545,12 +566,14 @@ struct KvwPlan {
   SelectionIndexPlan sel;
   Workspace ws;
   int m = 0, tok_per_tile = 0, C = 0, Ceff = 0, n_chunks = 0;
+  int S = 1;                    // concurrent group sequences (helper streams), <= Hp
   std::vector<int> c0, c1, g_lo, nb;
   std::vector<int64_t> off;     // per chunk: first item slot inside a group's region
   std::vector<int64_t> bound;   // per chunk: items at most
   int64_t items_per_group = 0;
   size_t o_items = 0, o_counts = 0;           // items [Hp, items_per_group]; n_items, counters [Hp, chunks] each
-  size_t o_acc_o = 0, o_acc_l = 0, o_mref = 0;  // the chunk accumulator
+  size_t o_acc = 0, acc_stride = 0;  // S chunk accumulators {acc_o, acc_l, mref}, acc_stride bytes apart
+  size_t d_acc_l = 0, d_mref = 0;    // offsets of acc_l and mref inside one accumulator
 };
 
 // Sizes and chunk ranges from the host copy of cu_seqlens (O(B + chunks log B) host work).
@@ -560,7 +583,8 @@ KvwPlan plan_kvw(const MsaParams& p) {
   reserve_selection_index(pl.sel, p, pl.ws, nullptr);
   pl.m = p.H / p.Hp;
   pl.tok_per_tile = kRows / pl.m;
-  pl.C = chunk_tokens(pl.m);
+  pl.S = std::max(1, std::min(stream_count(), p.Hp));
+  pl.C = chunk_tokens(pl.m, pl.S);
   pl.Ceff = static_cast<int>(std::min<int64_t>(pl.C, p.T));
   pl.n_chunks = static_cast<int>((p.T + pl.C - 1) / pl.C);
   const int32_t* cu = p.cu_seqlens_host;
@@ -592,18 +616,19 @@ KvwPlan plan_kvw(const MsaParams& p) {
   }
   pl.o_items = pl.ws.add(static_cast<size_t>(p.Hp) * pl.items_per_group * sizeof(int4));
   pl.o_counts = pl.ws.add(2 * static_cast<size_t>(p.Hp) * pl.n_chunks * sizeof(int32_t));
-  // The chunk accumulator reuses the index's unsorted keys, sorted keys and unsorted values
-  // (contiguous, dead once the list offsets are built) when it fits there.
+  // The S chunk accumulators reuse the index's unsorted keys, sorted keys and unsorted values
+  // (contiguous, dead once the list offsets are built) when they fit there.
   const size_t acc_o = static_cast<size_t>(pl.Ceff) * pl.m * kD * 4, acc_row = static_cast<size_t>(pl.Ceff) * pl.m * 4;
   auto up = [](size_t x) { return (x + 255) / 256 * 256; };
-  const size_t need = up(acc_o) + 2 * up(acc_row);
+  pl.acc_stride = up(acc_o) + 2 * up(acc_row);
+  pl.d_acc_l = up(acc_o);
+  pl.d_mref = up(acc_o) + up(acc_row);
+  const size_t need = pl.acc_stride * static_cast<size_t>(pl.S);
   if (need <= pl.sel.o_vals_out - pl.sel.o_keys_in) {
-    pl.o_acc_o = pl.sel.o_keys_in;
+    pl.o_acc = pl.sel.o_keys_in;
   } else {
-    pl.o_acc_o = pl.ws.add(need);
+    pl.o_acc = pl.ws.add(need);
   }
-  pl.o_acc_l = pl.o_acc_o + up(acc_o);
-  pl.o_mref = pl.o_acc_l + up(acc_row);
   return pl;
 }
 
@@ -612,6 +637,82 @@ int sm_count(int device) {
   FLASHMSA_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
   return std::max(1, n);
 }
+
+// Helper stream i of `device`: created once (non-blocking, so the legacy default stream does not
+// serialise against it), cached for the process and never destroyed. Concurrent callers share
+// them; their events keep each call's order, at worst two calls' groups queue behind each other.
+cudaStream_t helper_stream(int device, int i) {
+  static std::mutex mu;
+  static std::vector<std::vector<cudaStream_t>> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  if (cache.empty()) {
+    int n = 0;
+    FLASHMSA_CUDA_CHECK(cudaGetDeviceCount(&n));
+    cache.resize(static_cast<size_t>(std::max(n, 1)));
+  }
+  std::vector<cudaStream_t>& mine = cache.at(static_cast<size_t>(device));
+  while (static_cast<int>(mine.size()) <= i) {
+    cudaStream_t st = nullptr;
+    FLASHMSA_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    mine.push_back(st);
+  }
+  return mine[static_cast<size_t>(i)];
+}
+
+// Fork of the caller's stream into n helper streams and the join back (event record + stream
+// wait only, so a graph capture of the caller's stream follows into the helpers and back).
+// Events live for one call: destroyed once the join is enqueued (the runtime keeps a recorded
+// event's resources until it completes).
+class StreamFork {
+ public:
+  // n = 0: no helpers, nothing recorded (the caller's stream does all the work).
+  StreamFork(cudaStream_t caller, int device, int n) : caller_(caller) {
+    if (n <= 0) return;
+    cudaEvent_t fork = nullptr;
+    FLASHMSA_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+    try {
+      FLASHMSA_CUDA_CHECK(cudaEventRecord(fork, caller));
+      for (int i = 0; i < n; ++i) {
+        cudaStream_t st = helper_stream(device, i);
+        FLASHMSA_CUDA_CHECK(cudaStreamWaitEvent(st, fork, 0));
+        helpers_.push_back(st);
+      }
+    } catch (...) {
+      cudaEventDestroy(fork);
+      throw;
+    }
+    FLASHMSA_CUDA_CHECK(cudaEventDestroy(fork));
+  }
+  StreamFork(const StreamFork&) = delete;
+  StreamFork& operator=(const StreamFork&) = delete;
+  // The error path: join what can still be joined before the workspace is freed.
+  ~StreamFork() {
+    for (cudaStream_t st : helpers_) {
+      cudaEvent_t ev = nullptr;
+      if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) continue;
+      if (cudaEventRecord(ev, st) == cudaSuccess) cudaStreamWaitEvent(caller_, ev, 0);
+      cudaEventDestroy(ev);
+    }
+  }
+  cudaStream_t operator[](int i) const { return helpers_[static_cast<size_t>(i)]; }
+  // The caller's stream waits for every helper; throws on a CUDA error (the destructor then
+  // joins the helpers not yet joined).
+  void join() {
+    while (!helpers_.empty()) {
+      cudaEvent_t ev = nullptr;
+      FLASHMSA_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+      const cudaError_t rec = cudaEventRecord(ev, helpers_.back());
+      const cudaError_t wait = rec == cudaSuccess ? cudaStreamWaitEvent(caller_, ev, 0) : rec;
+      cudaEventDestroy(ev);
+      FLASHMSA_CUDA_CHECK(wait);
+      helpers_.pop_back();
+    }
+  }
+
+ private:
+  cudaStream_t caller_;
+  std::vector<cudaStream_t> helpers_;
+};
 
 template <int M>
 void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
@@ -656,34 +757,50 @@ void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
       FLASHMSA_CHECK_LAUNCH();
     }
 
-    float* acc_o = ws.at<float>(pl.o_acc_o);  // [Ceff, M, 128]
-    float* acc_l = ws.at<float>(pl.o_acc_l);  // [Ceff, M]
-    float* mref = ws.at<float>(pl.o_mref);    // [Ceff, M]
-    // finprep: finalize (c_f, p_f) if any, prepare (c_n, p_n) if any.
-    auto finprep = [&](int c_f, int p_f, int c_n, int p_n) {
-      const int fin_n = c_f >= 0 ? pl.c1[c_f] - pl.c0[c_f] : 0;
-      const int prep_n = c_n >= 0 ? pl.c1[c_n] - pl.c0[c_n] : 0;
-      const int64_t rows = static_cast<int64_t>(std::max(fin_n, prep_n)) * M;
-      kvw_finprep_kernel<M><<<grid_for(rows * 32, 256), 256, 0, stream>>>(
-          c_f >= 0 ? pl.c0[c_f] : 0, fin_n, p_f * M, c_n >= 0 ? pl.c0[c_n] : 0, prep_n, p_n * M, p_n * M / r, q, k,
-          p.H, p.Hkv, p.T, scale_log2, mref, acc_o, acc_l, o, p.lse);
-      FLASHMSA_CHECK_LAUNCH();
-    };
-    finprep(-1, 0, 0, 0);
-    for (int c = 0; c < pl.n_chunks; ++c) {
-      for (int g = 0; g < p.Hp; ++g) {
-        const int slot = g * pl.n_chunks + c;
-        const unsigned grid = static_cast<unsigned>(std::min<int64_t>(pl.bound[c], sms));
-        kvw_fwd_kernel<M><<<grid, kThreads, kSmem, stream>>>(
-            q_map, k_map, v_map, items + g * pl.items_per_group + pl.off[c], n_items + slot, counters + slot,
-            ws.at<int32_t>(pl.sel.o_vals_out), mref, acc_o, acc_l, overflow, p.top_k, pl.c0[c], g * M,
-            g * M / r, scale_log2);
+    // Group g's (p, chunk) sequence runs on lane g % S with that lane's accumulator; the lanes
+    // touch disjoint heads of o / lse, disjoint item counters and accumulators, and overflow only
+    // with stores of 1, so they are independent. With one persistent CTA per SM, one lane's main
+    // kernel fills the SMs another lane's launch leaves idle during its ramp and tail.
+    // The fork comes after everything above (allocation, index, plan) on the caller's stream; the
+    // join before the workspace is freed (the fork's destructor joins on the error path).
+    std::vector<cudaStream_t> lanes(static_cast<size_t>(pl.S), stream);
+    StreamFork fork(stream, device, pl.S > 1 ? pl.S : 0);
+    for (int l = 0; l < pl.S && pl.S > 1; ++l) lanes[static_cast<size_t>(l)] = fork[l];
+    for (int l = 0; l < pl.S; ++l) {
+      const cudaStream_t st = lanes[static_cast<size_t>(l)];
+      unsigned char* acc = ws.at<unsigned char>(pl.o_acc + pl.acc_stride * static_cast<size_t>(l));
+      float* acc_o = reinterpret_cast<float*>(acc);                // [Ceff, M, 128]
+      float* acc_l = reinterpret_cast<float*>(acc + pl.d_acc_l);  // [Ceff, M]
+      float* mref = reinterpret_cast<float*>(acc + pl.d_mref);    // [Ceff, M]
+      // finprep: finalize (c_f, p_f) if any, prepare (c_n, p_n) if any.
+      auto finprep = [&](int c_f, int p_f, int c_n, int p_n) {
+        const int fin_n = c_f >= 0 ? pl.c1[c_f] - pl.c0[c_f] : 0;
+        const int prep_n = c_n >= 0 ? pl.c1[c_n] - pl.c0[c_n] : 0;
+        const int64_t rows = static_cast<int64_t>(std::max(fin_n, prep_n)) * M;
+        kvw_finprep_kernel<M><<<grid_for(rows * 32, 256), 256, 0, st>>>(
+            c_f >= 0 ? pl.c0[c_f] : 0, fin_n, p_f * M, c_n >= 0 ? pl.c0[c_n] : 0, prep_n, p_n * M, p_n * M / r, q,
+            k, p.H, p.Hkv, p.T, scale_log2, mref, acc_o, acc_l, o, p.lse);
         FLASHMSA_CHECK_LAUNCH();
-        const bool last_group = g + 1 == p.Hp;
-        const int c_n = last_group ? c + 1 : c, p_n = last_group ? 0 : g + 1;
-        finprep(c, g, c_n < pl.n_chunks ? c_n : -1, p_n);
+      };
+      // This lane's (chunk, group) pairs: chunk-major, groups l, l + S, ...
+      int c_prev = -1, g_prev = 0;
+      for (int c = 0; c < pl.n_chunks; ++c) {
+        for (int g = l; g < p.Hp; g += pl.S) {
+          finprep(c_prev, g_prev, c, g);
+          const int slot = g * pl.n_chunks + c;
+          const unsigned grid = static_cast<unsigned>(std::min<int64_t>(pl.bound[c], sms));
+          kvw_fwd_kernel<M><<<grid, kThreads, kSmem, st>>>(
+              q_map, k_map, v_map, items + g * pl.items_per_group + pl.off[c], n_items + slot, counters + slot,
+              ws.at<int32_t>(pl.sel.o_vals_out), mref, acc_o, acc_l, overflow, p.top_k, pl.c0[c], g * M,
+              g * M / r, scale_log2);
+          FLASHMSA_CHECK_LAUNCH();
+          c_prev = c;
+          g_prev = g;
+        }
       }
+      finprep(c_prev, g_prev, -1, 0);
     }
+    fork.join();
   } catch (...) {
     ws.release(stream);
     throw;
