@@ -23,7 +23,7 @@
 // Why chunks: an fp32 accumulator for every token (512 MB per group at m3/64k) would live in HBM
 // and every reduce-add would be an HBM read-modify-write. Tokens are
 // processed in chunks of C (default: 32 MB of acc_o, 4096 tokens at m = 16; FLASHMSA_FWD_CHUNK
-// overrides: a multiple of 128 >= 128) per proxy group p: acc_o [C, 2 halves, m, 64] fp32, acc_l and mref [C, m], which stay
+// overrides: a multiple of 128 >= 128) per proxy group p: acc_o [C, m, 128] fp32, acc_l and mref [C, m], which stay
 // in the H200's 50 MB L2 while the chunk is processed. S proxy groups (FLASHMSA_FWD_STREAMS,
 // default 2, at most Hp) run concurrently, group p on helper stream p % S with that stream's own
 // accumulator (the default C then splits the 32 MB: 2048 tokens per stream at m = 16), forked
@@ -39,18 +39,16 @@
 //
 // Main kernel (384 threads): warpgroup 0's first warp is the producer (one lane issues TMA), the
 // other two warpgroups are consumers that take alternate 64-row tiles of an item.
-//   producer: per item, K and V of the block (TMA, 128 rows past T read as zeros) and the entries'
-//     tokens into one of two buffers (K, V and the list are double-buffered: item i + 1's load
-//     goes out as soon as item i's Q tiles are issued, under item i's last tiles), then per tile
-//     one TMA box {64 columns, m heads, 1 token} per 64-column slab per token into a 3-stage
-//     ring. The box is m rows of the tile's swizzled slab.
+//   producer: per item, the entries' tokens into a double-buffered shared list (loaded before the
+//     previous item is released, so its latency is hidden), then K and V of the block (TMA, 128
+//     rows past T read as zeros), then per tile one TMA box {64 columns, m heads, 1 token} per
+//     64-column slab per token into a 4-stage ring. The box is m rows of the tile's swizzled slab.
 //   consumer, per tile: S = Q K^T (SS, 64 x 128 x 128), the Q stage released, the causal mask only
 //     where a row's token lies in the block (the own block: the only partially visible block; it
 //     also hides keys past the sequence end), P = 2^(S scale log2e - mref), overflow check, row
 //     sums (quad shuffles), O = P V (RS, V MN-major), then O and l into the warpgroup's fp32
-//     staging tile, 64 columns at a time (16 KB: the second K/V buffer took the rest), and per
-//     token and half ONE bulk reduce-add of its m rows (m * 256 bytes) plus, once, one of its m
-//     sums (m * 4 bytes) into the chunk accumulator (cp.reduce.async.bulk .add.f32). The staging
+//     staging tile and, per token, ONE bulk reduce-add of its m rows (m * 512 bytes) and one of its
+//     m sums (m * 4 bytes) into the chunk accumulator (cp.reduce.async.bulk .add.f32). The staging
 //     rows store 8-float chunk j at position j ^ (row & 3) so the accumulator-layout stores hit 4
 //     bank groups x 2 rows (2 wavefronts per 256 bytes, the minimum); the accumulator keeps that
 //     permutation (row & 3 = head-in-group & 3) and finprep undoes it.
@@ -73,8 +71,8 @@
 // (token, group, block) against the query-major 64 KB), plus 64 KB of K/V per work item (~16
 // tiles at m3/64k). At m3/64k that is ~1.05 M tiles: ~50 GB through L2, i.e. ~8-10 ms at L2
 // bandwidth, above the ~7 ms of the tensor cores: this kernel is expected to be L2-bound too,
-// at a fifth of the query-major traffic. Known costs: the wait for the first half's bulk reads
-// before the second half is staged, finprep's pass over the accumulator
+// at a fifth of the query-major traffic. Not measured yet. Known costs: one K/V load latency per
+// item (K/V are not double-buffered: no shared memory left), finprep's pass over the accumulator
 // (~1 ms at m3/64k), and 2 launches per (group, chunk) with a ramp and a tail each (measured:
 // 17% of the SM cycles of a launch at m3/64k, C = 4096; what the concurrent streams fill).
 #include "sm90/forward_kv_wgmma.cuh"
@@ -105,7 +103,7 @@ constexpr int kBlk = 128;  // keys per block
 static_assert(kBlk == kIndexBlk, "the shared selection index is built for this block size");
 constexpr int kD = 128;                         // D = Dv
 constexpr int kRows = 64;                       // rows of an M-tile (one consumer warpgroup)
-constexpr int kStages = 3;                      // Q ring (two consumers hold one stage each at most)
+constexpr int kStages = 4;                      // Q ring
 constexpr int kMaxTiles = 32;                   // tiles per work item at most
 constexpr int kMaxItemTok = kMaxTiles * kRows / 4;  // tokens per item at most (m = 4)
 constexpr int kThreads = 384;
@@ -123,21 +121,21 @@ constexpr int kKSlab = kBlk * 128;              // one 64-column slab of K or V
 constexpr int kKTile = 2 * kKSlab;              // [128 keys][128] bf16
 constexpr int kQSlab = kRows * 128;
 constexpr int kQTile = 2 * kQSlab;              // [64 rows][128] bf16
-constexpr int kHalf = kD / 2;                   // output columns per staging pass
-constexpr int kStgBytes = kRows * kHalf * 4;    // [64 rows][64] fp32 per consumer warpgroup
-constexpr int oKV = 0;                          // [2 buffers][K, V] tiles
-constexpr int oQ = oKV + 4 * kKTile;
+constexpr int kStgBytes = kRows * kD * 4;       // [64 rows][128] fp32 per consumer warpgroup
+constexpr int oK = 0;
+constexpr int oV = oK + kKTile;
+constexpr int oQ = oV + kKTile;
 constexpr int oStg = oQ + kStages * kQTile;
 constexpr int oStgL = oStg + 2 * kStgBytes;     // [2][64] fp32 row sums
 constexpr int oList = oStgL + 2 * kRows * 4;    // [2][kMaxItemTok] int32 tokens
 constexpr int oInfo = oList + 2 * kMaxItemTok * 4;  // [2] int2 {first key row, tokens}
-constexpr int oBar = oInfo + 2 * 8;             // full[kStages], empty[kStages], kv_full[2], kv_empty[2]
-constexpr int kSmemBytes = oBar + (2 * kStages + 4) * 8;
+constexpr int oBar = oInfo + 2 * 8;             // full[kStages], empty[kStages], kv_full, kv_empty
+constexpr int kSmemBytes = oBar + (2 * kStages + 2) * 8;
 constexpr int kSmem = kSmemBytes + 1024;        // + alignment slack of the dynamic base
 static_assert(kSmem <= 227 * 1024, "forward_kv_wgmma: shared memory over the sm_90 limit");
 static_assert(oBar % 8 == 0 && oStgL % 16 == 0 && oList % 16 == 0, "alignment of the small buffers");
 
-constexpr int kBarStg = 1;  // + consumer warpgroup index: its staging tile's barrier
+constexpr int kBarStg = 1;  // + consumer warpgroup index: its staging tile's two barriers
 
 // 2^x on the SFU (-inf -> +0); results below 2^-126 flush to 0, invisible next to l >= 1.
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -257,7 +255,7 @@ __global__ void __launch_bounds__(256) kvw_finprep_kernel(
     const bf16* __restrict__ k,  // [T, Hkv, 128]
     int H, int Hkv, int64_t T, float scale_log2,
     float* __restrict__ mref,    // [C, M]
-    float* __restrict__ acc_o,   // [C, 2, M, 64]: columns 64h + 8j .. +7 stored at chunk j ^ (hh & 3) of half h
+    float* __restrict__ acc_o,   // [C, M, 128], 8-float chunk j stored at j ^ (hh & 3)
     float* __restrict__ acc_l,   // [C, M]
     bf16* __restrict__ o,        // [T, H, 128]
     float* __restrict__ lse) {   // [H, T]
@@ -266,10 +264,8 @@ __global__ void __launch_bounds__(256) kvw_finprep_kernel(
   const int warps = gridDim.x * (blockDim.x >> 5);
   for (int R = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; R < rows; R += warps) {
     const int tok = R / M, hh = R % M;
-    // Columns 4 lane .. 4 lane + 3: 8-float chunk lane / 2, i.e. chunk (lane / 2) & 7 of half lane / 16.
-    const int half = lane >> 4, jj = (lane >> 1) & 7;
-    float4* a4 = reinterpret_cast<float4*>(acc_o + ((static_cast<int64_t>(tok) * 2 + half) * M + hh) * kHalf) +
-                 (((jj ^ (hh & 3)) << 1) | (lane & 1));
+    float4* a4 = reinterpret_cast<float4*>(acc_o + static_cast<int64_t>(R) * kD) +
+                 ((((lane >> 1) ^ (hh & 3)) << 1) | (lane & 1));
     if (tok < fin_n) {
       const float4 a = *a4;
       const float l = acc_l[R], mr = mref[R];
@@ -316,7 +312,7 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
     int32_t* __restrict__ counter,              // [1] zero before the launch; next item to take
     const int32_t* __restrict__ vals,           // [Hp*T*K] index entries t*K + slot
     const float* __restrict__ mref,             // [C, M] reference of each row (log2 units)
-    float* __restrict__ acc_o,                  // [C, 2, M, 64] fp32, permuted 8-float chunks
+    float* __restrict__ acc_o,                  // [C, M, 128] fp32, permuted 8-float chunks
     float* __restrict__ acc_l,                  // [C, M] fp32
     int32_t* __restrict__ overflow,             // [T] set to 1 where a row overflows
     int K, int c0, int head0, int kvh, float scale_log2) {
@@ -325,26 +321,25 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
   extern __shared__ __align__(16) unsigned char kvw_smem_raw[];
   // Offset from the shared array (not an integer round trip), so the compiler keeps LDS/STS.
   unsigned char* smem = kvw_smem_raw + ((1024u - (smem_u32(kvw_smem_raw) & 1023u)) & 1023u);
-  unsigned char* sKV = smem + oKV;                                // [2 buf][K, V][2 slabs][128][128 B]
+  unsigned char* sK = smem + oK;                                  // [2 slabs][128][128 B]
+  unsigned char* sV = smem + oV;                                  // [2 slabs][128][128 B]
   unsigned char* sQ = smem + oQ;                                  // [kStages][2 slabs][64][128 B]
-  float* sStg = reinterpret_cast<float*>(smem + oStg);            // [2 WG][64][64] fp32 (one half)
+  float* sStg = reinterpret_cast<float*>(smem + oStg);            // [2 WG][64][128] fp32
   float* sStgL = reinterpret_cast<float*>(smem + oStgL);          // [2 WG][64] fp32
   int32_t* sList = reinterpret_cast<int32_t*>(smem + oList);      // [2][kMaxItemTok] tokens
   int2* sInfo = reinterpret_cast<int2*>(smem + oInfo);            // [2] {first key row, tokens or -1}
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + oBar);      // [kStages]
   uint64_t* empty = full + kStages;                               // [kStages]
-  uint64_t* kv_full = empty + kStages;                            // [2] per K/V + list buffer
-  uint64_t* kv_empty = kv_full + 2;                               // [2]
+  uint64_t* kv_full = empty + kStages;                            // [1]
+  uint64_t* kv_empty = kv_full + 1;                               // [1]
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       ::cuda::ptx::mbarrier_init(full + s, 1);
       ::cuda::ptx::mbarrier_init(empty + s, 128);  // the one consumer warpgroup of the stage
     }
-    for (int b = 0; b < 2; ++b) {
-      ::cuda::ptx::mbarrier_init(kv_full + b, 32);  // every producer lane (its list writes)
-      ::cuda::ptx::mbarrier_init(kv_empty + b, kConsumerThreads);
-    }
+    ::cuda::ptx::mbarrier_init(kv_full, 32);             // every producer lane (its list writes)
+    ::cuda::ptx::mbarrier_init(kv_empty, kConsumerThreads);
     ::cuda::ptx::fence_mbarrier_init(::cuda::ptx::sem_release, ::cuda::ptx::scope_cluster);
   }
   __syncthreads();
@@ -358,36 +353,39 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
     const int n_items = __ldg(n_items_ptr);
     int item = lane == 0 ? atomicAdd(counter, 1) : 0;
     item = __shfl_sync(0xffffffffu, item, 0);
-    int4 rec = item < n_items ? __ldg(items + item) : make_int4(0, 0, -1, 0);
     int tile_g = 0;  // tiles issued so far (ring position)
     for (int it = 0;; ++it) {
-      // Item `it` uses K/V + list buffer it & 1, last read by item it - 2. Its K/V load goes out
-      // once the previous item's Q tiles are all issued, i.e. while the consumers still work on
-      // that item's last (ring-depth) tiles: the load latency hides behind them.
       const int buf = it & 1;
-      const int krow = rec.x, e0 = rec.y, ntok = rec.z - rec.y;  // ntok < 0: no item left
-      int next = (lane == 0 && ntok >= 0) ? atomicAdd(counter, 1) : 0;
-      next = __shfl_sync(0xffffffffu, next, 0);
-      const int4 rec_next = ntok >= 0 && next < n_items ? __ldg(items + next) : make_int4(0, 0, -1, 0);
-      if (it >= 2) mbarrier_wait(kv_empty + buf, ((it >> 1) - 1) & 1);
-      uint64_t* kvb = kv_full + buf;
-      unsigned char* sK = sKV + buf * 2 * kKTile;
-      unsigned char* sV = sK + kKTile;
-      if (lane == 0 && ntok >= 0) {
-        ::cuda::ptx::mbarrier_expect_tx(::cuda::ptx::sem_relaxed, ::cuda::ptx::scope_cta, ::cuda::ptx::space_shared,
-                                        kvb, 2 * kKTile);
-        for (int slab = 0; slab < 2; ++slab) {
-          tma_load_3d(sK + slab * kKSlab, &k_map, slab * 64, kvh, krow, kvb);
-          tma_load_3d(sV + slab * kKSlab, &v_map, slab * 64, kvh, krow, kvb);
-        }
+      int ntok = -1, krow = 0, e0 = 0;
+      if (item < n_items) {
+        const int4 rec = __ldg(items + item);
+        krow = rec.x;
+        e0 = rec.y;
+        ntok = rec.z - rec.y;
       }
+      // The list of item `it` goes to buffer it & 1, whose last reader (item it - 2) released it
+      // before the previous iteration went on: filled while the consumers still work on it - 1.
       int32_t* list = sList + buf * kMaxItemTok;
       for (int i = lane; i < ntok; i += 32) list[i] = __ldg(vals + e0 + i) / K;
       if (lane == 0) sInfo[buf] = make_int2(krow, ntok);
-      // Every lane (release: its list entries; lane 0 also sInfo). ntok = -1 stops the consumers.
-      ::cuda::ptx::mbarrier_arrive(kvb);
-      if (ntok < 0) return;
+      int next = (lane == 0 && ntok >= 0) ? atomicAdd(counter, 1) : 0;
+      next = __shfl_sync(0xffffffffu, next, 0);
       __syncwarp();  // lane 0 reads the other lanes' list entries below
+      if (it > 0) mbarrier_wait(kv_empty, (it - 1) & 1);  // K, V of item it - 1 are free
+      if (ntok < 0) {
+        ::cuda::ptx::mbarrier_arrive(kv_full);  // every lane: the consumers read ntok = -1 and stop
+        return;
+      }
+      if (lane == 0) {
+        ::cuda::ptx::mbarrier_arrive_expect_tx(::cuda::ptx::sem_release, ::cuda::ptx::scope_cta,
+                                               ::cuda::ptx::space_shared, kv_full, 2 * kKTile);
+        for (int slab = 0; slab < 2; ++slab) {
+          tma_load_3d(sK + slab * kKSlab, &k_map, slab * 64, kvh, krow, kv_full);
+          tma_load_3d(sV + slab * kKSlab, &v_map, slab * 64, kvh, krow, kv_full);
+        }
+      } else {
+        ::cuda::ptx::mbarrier_arrive(kv_full);  // release: this lane's list entries
+      }
       const int ntiles = (ntok + kTok - 1) / kTok;
       if (lane == 0) {
         for (int i = 0; i < ntiles; ++i) {
@@ -405,7 +403,7 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
         }
       }
       tile_g += ntiles;
-      rec = rec_next;
+      item = next;
     }
   }
 
@@ -416,17 +414,16 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
   const int r0 = 16 * w + g, r1 = r0 + 8;  // this thread's two accumulator rows
   const int slot0 = r0 / M, slot1 = r1 / M, hh0 = r0 % M, hh1 = r1 % M;
   const int perm = r0 & 3;                 // = hh0 & 3 = hh1 & 3 (M is a multiple of 4)
-  float* stg = sStg + cw * kRows * kHalf;
+  float* stg = sStg + cw * kRows * kD;
   float* stg_l = sStgL + cw * kRows;
   const uint32_t stg_u32 = smem_u32(stg), stg_l_u32 = smem_u32(stg_l);
-  const uint32_t kv_base = smem_u32(sKV), q_base = smem_u32(sQ);
+  const uint32_t k_base = smem_u32(sK), v_base = smem_u32(sV), q_base = smem_u32(sQ);
   const bool leader = ct == 0;  // issues this warpgroup's bulk reduce-adds
 
   int tile_g = 0;
   for (int it = 0;; ++it) {
     const int buf = it & 1;
-    mbarrier_wait(kv_full + buf, (it >> 1) & 1);
-    const uint32_t k_base = kv_base + buf * 2 * kKTile, v_base = k_base + kKTile;
+    mbarrier_wait(kv_full, it & 1);
     const int2 info = sInfo[buf];
     const int krow = info.x, ntok = info.y;
     if (ntok < 0) break;
@@ -506,44 +503,31 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
 #pragma unroll
       for (int kk = 0; kk < 8; ++kk) wgmma_fence_operands(pf[kk]);
 
-      // Two passes of 64 columns through the 16 KB staging (the second K/V buffer took the other
-      // half): pass h writes 8-float chunks 8h .. 8h+7 of both rows, and per token one bulk
-      // reduce-add of its m rows x 64 columns (m * 256 contiguous bytes: the accumulator is
-      // [C][2 halves][M][64]); pass 0 also the m row sums. Before pass 1 overwrites the staging,
-      // pass 0's bulk ops must have read it.
-      float* row0 = stg + r0 * kHalf;
-      float* row1 = stg + r1 * kHalf;
+      float* row0 = stg + r0 * kD;
+      float* row1 = stg + r1 * kD;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (h == 1) {
-          if (leader) bulk_wait_group_read<0>();
-          bar_sync(kBarStg + cw, 128);
+      for (int j = 0; j < 16; ++j) {
+        const int at = ((j ^ perm) << 3) + 2 * c;
+        *reinterpret_cast<float2*>(row0 + at) = make_float2(o[4 * j], o[4 * j + 1]);
+        *reinterpret_cast<float2*>(row1 + at) = make_float2(o[4 * j + 2], o[4 * j + 3]);
+      }
+      if (c == 0) {
+        stg_l[r0] = l0;
+        stg_l[r1] = l1;
+      }
+      fence_proxy_async_shared();  // generic writes of the staging before the async-proxy reads
+      bar_sync(kBarStg + cw, 128);
+      if (leader) {
+        for (int j = 0; j < n; ++j) {
+          const int64_t row = static_cast<int64_t>(list[i * kTok + j] - c0) * M;
+          bulk_reduce_add_f32(acc_o + row * kD, stg_u32 + j * M * kD * 4, M * kD * 4);
+          bulk_reduce_add_f32(acc_l + row, stg_l_u32 + j * M * 4, M * 4);
         }
-#pragma unroll
-        for (int jj = 0; jj < 8; ++jj) {
-          const int j = 8 * h + jj;
-          const int at = ((jj ^ perm) << 3) + 2 * c;
-          *reinterpret_cast<float2*>(row0 + at) = make_float2(o[4 * j], o[4 * j + 1]);
-          *reinterpret_cast<float2*>(row1 + at) = make_float2(o[4 * j + 2], o[4 * j + 3]);
-        }
-        if (h == 0 && c == 0) {
-          stg_l[r0] = l0;
-          stg_l[r1] = l1;
-        }
-        fence_proxy_async_shared();  // generic writes of the staging before the async-proxy reads
-        bar_sync(kBarStg + cw, 128);
-        if (leader) {
-          for (int j = 0; j < n; ++j) {
-            const int64_t tok = list[i * kTok + j] - c0;
-            bulk_reduce_add_f32(acc_o + ((tok * 2 + h) * M) * kHalf, stg_u32 + j * M * kHalf * 4, M * kHalf * 4);
-            if (h == 0) bulk_reduce_add_f32(acc_l + tok * M, stg_l_u32 + j * M * 4, M * 4);
-          }
-          bulk_commit_group();
-        }
+        bulk_commit_group();
       }
     }
     tile_g += ntiles;
-    ::cuda::ptx::mbarrier_arrive(kv_empty + buf);  // this thread no longer reads buf's K, V or list
+    ::cuda::ptx::mbarrier_arrive(kv_empty);  // this thread no longer reads K, V or the list
   }
   if (leader) bulk_wait_group<0>();  // no bulk op outlives the CTA's shared memory
 }
@@ -785,7 +769,7 @@ void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
     for (int l = 0; l < pl.S; ++l) {
       const cudaStream_t st = lanes[static_cast<size_t>(l)];
       unsigned char* acc = ws.at<unsigned char>(pl.o_acc + pl.acc_stride * static_cast<size_t>(l));
-      float* acc_o = reinterpret_cast<float*>(acc);                // [Ceff, 2, M, 64]
+      float* acc_o = reinterpret_cast<float*>(acc);                // [Ceff, M, 128]
       float* acc_l = reinterpret_cast<float*>(acc + pl.d_acc_l);  // [Ceff, M]
       float* mref = reinterpret_cast<float*>(acc + pl.d_mref);    // [Ceff, M]
       // finprep: finalize (c_f, p_f) if any, prepare (c_n, p_n) if any.
