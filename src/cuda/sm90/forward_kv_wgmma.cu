@@ -48,7 +48,10 @@
 //     also hides keys past the sequence end), P = 2^(S scale log2e - mref), overflow check, row
 //     sums (quad shuffles), O = P V (RS, V MN-major), then O and l into the warpgroup's fp32
 //     staging tile and, per token, ONE bulk reduce-add of its m rows (m * 512 bytes) and one of its
-//     m sums (m * 4 bytes) into the chunk accumulator (cp.reduce.async.bulk .add.f32). The staging
+//     m sums (m * 4 bytes) into the chunk accumulator (cp.reduce.async.bulk .add.f32), issued by
+//     the thread that holds the token's first row. Software-pipelined inside the warpgroup (within
+//     an item): its next tile's S goes out right behind this tile's PV, so S(next) runs on the
+//     tensor core during this tile's PV wait, staging and reduce-add issue. The staging
 //     rows store 8-float chunk j at position j ^ (row & 3) so the accumulator-layout stores hit 4
 //     bank groups x 2 rows (2 wavefronts per 256 bytes, the minimum); the accumulator keeps that
 //     permutation (row & 3 = head-in-group & 3) and finprep undoes it.
@@ -414,12 +417,138 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
   const int r0 = 16 * w + g, r1 = r0 + 8;  // this thread's two accumulator rows
   const int slot0 = r0 / M, slot1 = r1 / M, hh0 = r0 % M, hh1 = r1 % M;
   const int perm = r0 & 3;                 // = hh0 & 3 = hh1 & 3 (M is a multiple of 4)
+  // A token's reduce-adds are issued by the thread holding its first row (head 0) in column
+  // quad 0: it knows the token from its own row metadata, so no list read is left after the
+  // last product of an item (K, V and the list can be released before the last staging), and
+  // the issue is spread over the warps instead of serialised on one thread.
+  const bool own0 = c == 0 && hh0 == 0, own1 = c == 0 && hh1 == 0;
+  const bool issuer = own0 || own1;
   float* stg = sStg + cw * kRows * kD;
   float* stg_l = sStgL + cw * kRows;
   const uint32_t stg_u32 = smem_u32(stg), stg_l_u32 = smem_u32(stg_l);
   const uint32_t k_base = smem_u32(sK), v_base = smem_u32(sV), q_base = smem_u32(sQ);
-  const bool leader = ct == 0;  // issues this warpgroup's bulk reduce-adds
 
+  // Row metadata of one tile: tokens, references, mask limits (key column j is visible to a row
+  // iff j <= lim: lim >= 127 everywhere but in the row token's own block), its Q stage.
+  struct TileRows {
+    int t0, t1, lim0, lim1, st;
+    float mr0, mr1;
+    bool ok0, ok1;
+  };
+  // Issues tile i's S = Q K^T into s (one commit group; the caller has waited for its Q stage,
+  // full[tg % kStages]); then its rows' metadata, whose global mref loads run under the product
+  // and whatever the warpgroup does before the softmax.
+  auto start_tile = [&](float (&s)[64], const int32_t* list, int ntok, int krow, int i, int tg) {
+    TileRows tr;
+    tr.st = tg % kStages;
+    wgmma_fence_operands(s);
+    wgmma_fence();
+    issue_qk(s, q_base + tr.st * kQTile, k_base);
+    wgmma_commit();
+    const int n = min(kTok, ntok - i * kTok);
+    tr.ok0 = slot0 < n;
+    tr.ok1 = slot1 < n;
+    tr.t0 = tr.ok0 ? list[i * kTok + slot0] : 0;
+    tr.t1 = tr.ok1 ? list[i * kTok + slot1] : 0;
+    tr.mr0 = tr.ok0 ? __ldg(mref + (tr.t0 - c0) * M + hh0) : 0.f;
+    tr.mr1 = tr.ok1 ? __ldg(mref + (tr.t1 - c0) * M + hh1) : 0.f;
+    tr.lim0 = tr.ok0 ? tr.t0 - krow : kBlk - 1;
+    tr.lim1 = tr.ok1 ? tr.t1 - krow : kBlk - 1;
+    return tr;
+  };
+
+  // O (fp32, this thread's accumulator elements) and the row sums of a finished tile into the
+  // warpgroup's staging tile, then each token's reduce-adds into the chunk accumulator.
+  auto stage_reduce = [&](const float (&o)[64], const TileRows& tr, float l0, float l1) {
+    // As late as possible: the previous tile's reduce-adds must have finished reading the staging.
+    if (issuer) bulk_wait_group_read<0>();
+    bar_sync(kBarStg + cw, 128);
+    float* row0 = stg + r0 * kD;
+    float* row1 = stg + r1 * kD;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int at = ((j ^ perm) << 3) + 2 * c;
+      *reinterpret_cast<float2*>(row0 + at) = make_float2(o[4 * j], o[4 * j + 1]);
+      *reinterpret_cast<float2*>(row1 + at) = make_float2(o[4 * j + 2], o[4 * j + 3]);
+    }
+    if (c == 0) {
+      stg_l[r0] = l0;
+      stg_l[r1] = l1;
+    }
+    fence_proxy_async_shared();  // generic writes of the staging before the async-proxy reads
+    bar_sync(kBarStg + cw, 128);
+    if (issuer) {
+      if (own0 && tr.ok0) {
+        const int64_t row = static_cast<int64_t>(tr.t0 - c0) * M;
+        bulk_reduce_add_f32(acc_o + row * kD, stg_u32 + r0 * kD * 4, M * kD * 4);
+        bulk_reduce_add_f32(acc_l + row, stg_l_u32 + r0 * 4, M * 4);
+      }
+      if (own1 && tr.ok1) {
+        const int64_t row = static_cast<int64_t>(tr.t1 - c0) * M;
+        bulk_reduce_add_f32(acc_o + row * kD, stg_u32 + r1 * kD * 4, M * kD * 4);
+        bulk_reduce_add_f32(acc_l + row, stg_l_u32 + r1 * 4, M * 4);
+      }
+      bulk_commit_group();
+    }
+  };
+
+  // Softmax of a finished S (this thread's two rows): causal mask in the own block, overflow
+  // flags, P = 2^(S scale log2e - mref) into the bf16 A fragments of the PV product, row sums.
+  auto softmax = [&](float (&s)[64], const TileRows& tr, uint32_t (&pf)[8][4], float& l0, float& l1) {
+    if (tr.lim0 < kBlk - 1 || tr.lim1 < kBlk - 1) {
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = 8 * j + 2 * c + (e & 1);
+          if (col > ((e & 2) ? tr.lim1 : tr.lim0)) s[4 * j + e] = -INFINITY;
+        }
+    }
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
+      mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+    }
+    // Overflow: this thread's part of the row suffices (any quad lane may flag the token).
+    if (tr.ok0 && fmaf(mx0, scale_log2, -tr.mr0) > kOverflowLog2) overflow[tr.t0] = 1;
+    if (tr.ok1 && fmaf(mx1, scale_log2, -tr.mr1) > kOverflowLog2) overflow[tr.t1] = 1;
+    l0 = 0.f;
+    l1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      s[4 * j + 0] = fast_exp2(fmaf(s[4 * j + 0], scale_log2, -tr.mr0));
+      s[4 * j + 1] = fast_exp2(fmaf(s[4 * j + 1], scale_log2, -tr.mr0));
+      s[4 * j + 2] = fast_exp2(fmaf(s[4 * j + 2], scale_log2, -tr.mr1));
+      s[4 * j + 3] = fast_exp2(fmaf(s[4 * j + 3], scale_log2, -tr.mr1));
+      l0 += s[4 * j] + s[4 * j + 1];
+      l1 += s[4 * j + 2] + s[4 * j + 3];
+    }
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) acc_to_a_frag(pf[kk], s + 8 * kk);
+  };
+  auto start_pv = [&](float (&o)[64], const uint32_t (&pf)[8][4]) {
+    wgmma_fence_operands(o);
+    wgmma_fence();  // pf was written by ordinary instructions
+    issue_pv(o, pf, v_base);
+    wgmma_commit();
+  };
+
+  // Per warpgroup, software-pipelined over its tiles of an item: S(i+2) is issued right after
+  // PV(i), so the tensor core works on it while this warpgroup waits for PV(i), stages O(i) and
+  // issues its reduce-adds; only softmax(i+2) waits for S(i+2). Live at the peak: o and s (both
+  // products in flight) and pf (read by PV(i)): 160 registers. The pipeline does not cross
+  // items: the next item's K is not loaded before this one's K/V are released.
+  // Shape for ptxas: the two products are issued back to back with no branch between them and
+  // the loop exit sits before them; a branch between PV(i) and S(i+2), or a product inside a
+  // branch, makes ptxas serialise every wgmma of the kernel (C7514 / C7518).
+  float s[64];
+  float o[64];
+  uint32_t pf[8][4];
   int tile_g = 0;
   for (int it = 0;; ++it) {
     const int buf = it & 1;
@@ -429,107 +558,53 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
     if (ntok < 0) break;
     const int32_t* list = sList + buf * kMaxItemTok;
     const int ntiles = (ntok + kTok - 1) / kTok;
-    for (int i = 0; i < ntiles; ++i) {
-      const int tg = tile_g + i;
-      if ((tg & 1) != cw) continue;
-      const int st = tg % kStages;
-      const int n = min(kTok, ntok - i * kTok);
-      const bool ok0 = slot0 < n, ok1 = slot1 < n;
-      const int t0 = ok0 ? list[i * kTok + slot0] : 0;
-      const int t1 = ok1 ? list[i * kTok + slot1] : 0;
-
-      mbarrier_wait(full + st, (tg / kStages) & 1);
-      float s[64];
-      wgmma_fence_operands(s);
-      wgmma_fence();
-      issue_qk(s, q_base + st * kQTile, k_base);
-      wgmma_commit();
-      // Under the product: the rows' references and mask limits (key column j is visible to a
-      // row iff j <= lim: lim >= 127 everywhere but in the row token's own block).
-      const float mr0 = ok0 ? __ldg(mref + (t0 - c0) * M + hh0) : 0.f;
-      const float mr1 = ok1 ? __ldg(mref + (t1 - c0) * M + hh1) : 0.f;
-      const int lim0 = ok0 ? t0 - krow : kBlk - 1;
-      const int lim1 = ok1 ? t1 - krow : kBlk - 1;
-      wgmma_wait<0>();
-      wgmma_fence_operands(s);
-      ::cuda::ptx::mbarrier_arrive(empty + st);  // the Q stage is no longer read
-
-      if (lim0 < kBlk - 1 || lim1 < kBlk - 1) {
-#pragma unroll
-        for (int j = 0; j < 16; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int col = 8 * j + 2 * c + (e & 1);
-            if (col > ((e & 2) ? lim1 : lim0)) s[4 * j + e] = -INFINITY;
-          }
-      }
-      float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
-        mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
-      }
-      // Overflow: this thread's part of the row suffices (any quad lane may flag the token).
-      if (ok0 && fmaf(mx0, scale_log2, -mr0) > kOverflowLog2) overflow[t0] = 1;
-      if (ok1 && fmaf(mx1, scale_log2, -mr1) > kOverflowLog2) overflow[t1] = 1;
-      float l0 = 0.f, l1 = 0.f;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        s[4 * j + 0] = fast_exp2(fmaf(s[4 * j + 0], scale_log2, -mr0));
-        s[4 * j + 1] = fast_exp2(fmaf(s[4 * j + 1], scale_log2, -mr0));
-        s[4 * j + 2] = fast_exp2(fmaf(s[4 * j + 2], scale_log2, -mr1));
-        s[4 * j + 3] = fast_exp2(fmaf(s[4 * j + 3], scale_log2, -mr1));
-        l0 += s[4 * j] + s[4 * j + 1];
-        l1 += s[4 * j + 2] + s[4 * j + 3];
-      }
-      l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-      l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-      l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-      l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-      uint32_t pf[8][4];
-#pragma unroll
-      for (int kk = 0; kk < 8; ++kk) acc_to_a_frag(pf[kk], s + 8 * kk);
-
-      float o[64];
-      wgmma_fence_operands(o);
-      wgmma_fence();  // pf was written by ordinary instructions
-      issue_pv(o, pf, v_base);
-      wgmma_commit();
-      // Under the product: the previous tile's reduce-adds must have finished reading the staging.
-      if (leader) bulk_wait_group_read<0>();
-      bar_sync(kBarStg + cw, 128);
-      wgmma_wait<0>();
+    int i = (tile_g & 1) == cw ? 0 : 1;  // this warpgroup's first tile of the item
+    if (i >= ntiles) {
+      ::cuda::ptx::mbarrier_arrive(kv_empty);  // nothing of this item for this warpgroup
+      tile_g += ntiles;
+      continue;
+    }
+    mbarrier_wait(full + (tile_g + i) % kStages, ((tile_g + i) / kStages) & 1);
+    TileRows cur = start_tile(s, list, ntok, krow, i, tile_g + i);
+    float l0, l1;
+    wgmma_wait<0>();
+    wgmma_fence_operands(s);
+    ::cuda::ptx::mbarrier_arrive(empty + cur.st);  // the Q stage is no longer read
+    softmax(s, cur, pf, l0, l1);
+    for (;;) {
+      const int inext = i + 2;
+      if (inext >= ntiles) break;
+      // The next tile's Q (usually long loaded: the ring runs ahead) before PV(i), so that the
+      // two products go out back to back.
+      mbarrier_wait(full + (tile_g + inext) % kStages, ((tile_g + inext) / kStages) & 1);
+      start_pv(o, pf);
+      const TileRows nxt = start_tile(s, list, ntok, krow, inext, tile_g + inext);
+      wgmma_wait<1>();  // PV(i); S(i + 2) may still run
       wgmma_fence_operands(o);
 #pragma unroll
       for (int kk = 0; kk < 8; ++kk) wgmma_fence_operands(pf[kk]);
-
-      float* row0 = stg + r0 * kD;
-      float* row1 = stg + r1 * kD;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const int at = ((j ^ perm) << 3) + 2 * c;
-        *reinterpret_cast<float2*>(row0 + at) = make_float2(o[4 * j], o[4 * j + 1]);
-        *reinterpret_cast<float2*>(row1 + at) = make_float2(o[4 * j + 2], o[4 * j + 3]);
-      }
-      if (c == 0) {
-        stg_l[r0] = l0;
-        stg_l[r1] = l1;
-      }
-      fence_proxy_async_shared();  // generic writes of the staging before the async-proxy reads
-      bar_sync(kBarStg + cw, 128);
-      if (leader) {
-        for (int j = 0; j < n; ++j) {
-          const int64_t row = static_cast<int64_t>(list[i * kTok + j] - c0) * M;
-          bulk_reduce_add_f32(acc_o + row * kD, stg_u32 + j * M * kD * 4, M * kD * 4);
-          bulk_reduce_add_f32(acc_l + row, stg_l_u32 + j * M * 4, M * 4);
-        }
-        bulk_commit_group();
-      }
+      stage_reduce(o, cur, l0, l1);
+      wgmma_wait<0>();  // S(i + 2)
+      wgmma_fence_operands(s);
+      ::cuda::ptx::mbarrier_arrive(empty + nxt.st);  // the Q stage is no longer read
+      cur = nxt;
+      i = inext;
+      softmax(s, cur, pf, l0, l1);
     }
+    // The item's last tile of this warpgroup.
+    start_pv(o, pf);
+    wgmma_wait<0>();
+    wgmma_fence_operands(o);
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) wgmma_fence_operands(pf[kk]);
+    // This thread's last read of K, V and the list of the item is behind it (the reduce-adds
+    // take their tokens from registers): the producer may load the next item's K/V under this
+    // tile's staging and reduce-adds.
+    ::cuda::ptx::mbarrier_arrive(kv_empty);
+    stage_reduce(o, cur, l0, l1);
     tile_g += ntiles;
-    ::cuda::ptx::mbarrier_arrive(kv_empty);  // this thread no longer reads K, V or the list
   }
-  if (leader) bulk_wait_group<0>();  // no bulk op outlives the CTA's shared memory
+  if (issuer) bulk_wait_group<0>();  // no bulk op outlives the CTA's shared memory
 }
 
 // ---- host side ----------------------------------------------------------------------------------
