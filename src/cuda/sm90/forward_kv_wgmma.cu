@@ -42,7 +42,8 @@
 //   producer: per item, the entries' tokens into a double-buffered shared list (loaded before the
 //     previous item is released, so its latency is hidden), then K and V of the block (TMA, 128
 //     rows past T read as zeros), then per tile one TMA box {64 columns, m heads, 1 token} per
-//     64-column slab per token into a 4-stage ring. The box is m rows of the tile's swizzled slab.
+//     64-column slab per token into a kStages-stage ring. The box is m rows of the tile's
+//     swizzled slab.
 //   consumer, per tile: S = Q K^T (SS, 64 x 128 x 128), the Q stage released, the causal mask only
 //     where a row's token lies in the block (the own block: the only partially visible block; it
 //     also hides keys past the sequence end), P = 2^(S scale log2e - mref), overflow check, row
@@ -106,7 +107,11 @@ constexpr int kBlk = 128;  // keys per block
 static_assert(kBlk == kIndexBlk, "the shared selection index is built for this block size");
 constexpr int kD = 128;                         // D = Dv
 constexpr int kRows = 64;                       // rows of an M-tile (one consumer warpgroup)
-constexpr int kStages = 4;                      // Q ring
+// Q ring. 5, not 4: a consumer waits for its next tile's Q before issuing this tile's PV (the
+// two products go out back to back), one stage period earlier than an unpipelined consumer, and
+// the gathered q rows come from HBM; the fifth stage (16 KB of the ~29 KB left) lets the producer
+// run half a warpgroup-tile further ahead. A stage serves whichever warpgroup owns its tile.
+constexpr int kStages = 5;
 constexpr int kMaxTiles = 32;                   // tiles per work item at most
 constexpr int kMaxItemTok = kMaxTiles * kRows / 4;  // tokens per item at most (m = 4)
 constexpr int kThreads = 384;
