@@ -40,10 +40,11 @@
 // Main kernel (384 threads): warpgroup 0's first warp is the producer (one lane issues TMA), the
 // other two warpgroups are consumers that take alternate 64-row tiles of an item.
 //   producer: per item, the entries' tokens into a double-buffered shared list (loaded before the
-//     previous item is released, so its latency is hidden), then K and V of the block (TMA, 128
-//     rows past T read as zeros), then per tile one TMA box {64 columns, m heads, 1 token} per
-//     64-column slab per token into a kStages-stage ring. The box is m rows of the tile's
-//     swizzled slab.
+//     previous item is released, so its latency is hidden), then K of the block (TMA, 128 rows
+//     past T read as zeros) once every consumer is past its last S of the previous item, the
+//     item's first two Q tiles, V once every consumer is past its last PV, the other Q tiles:
+//     per tile one TMA box {64 columns, m heads, 1 token} per 64-column slab per token into a
+//     kStages-stage ring. The box is m rows of the tile's swizzled slab.
 //   consumer, per tile: S = Q K^T (SS, 64 x 128 x 128), the Q stage released, the causal mask only
 //     where a row's token lies in the block (the own block: the only partially visible block; it
 //     also hides keys past the sequence end), P = 2^(S scale log2e - mref), overflow check, row
@@ -76,7 +77,8 @@
 // tiles at m3/64k). At m3/64k that is ~1.05 M tiles: ~50 GB through L2, i.e. ~8-10 ms at L2
 // bandwidth, above the ~7 ms of the tensor cores: this kernel is expected to be L2-bound too,
 // at a fifth of the query-major traffic. Not measured yet. Known costs: one K/V load latency per
-// item (K/V are not double-buffered: no shared memory left), finprep's pass over the accumulator
+// item, partly hidden (K/V are not double-buffered: no shared memory left; K and the first Q
+// tiles load under the last softmax/PV/staging of the previous item), finprep's pass over the accumulator
 // (~1 ms at m3/64k), and 2 launches per (group, chunk) with a ramp and a tail each (measured:
 // 17% of the SM cycles of a launch at m3/64k, C = 4096; what the concurrent streams fill).
 #include "sm90/forward_kv_wgmma.cuh"
@@ -137,8 +139,8 @@ constexpr int oStg = oQ + kStages * kQTile;
 constexpr int oStgL = oStg + 2 * kStgBytes;     // [2][64] fp32 row sums
 constexpr int oList = oStgL + 2 * kRows * 4;    // [2][kMaxItemTok] int32 tokens
 constexpr int oInfo = oList + 2 * kMaxItemTok * 4;  // [2] int2 {first key row, tokens}
-constexpr int oBar = oInfo + 2 * 8;             // full[kStages], empty[kStages], kv_full, kv_empty
-constexpr int kSmemBytes = oBar + (2 * kStages + 2) * 8;
+constexpr int oBar = oInfo + 2 * 8;  // full[kStages], empty[kStages], k_full, k_empty, v_full, v_empty
+constexpr int kSmemBytes = oBar + (2 * kStages + 4) * 8;
 constexpr int kSmem = kSmemBytes + 1024;        // + alignment slack of the dynamic base
 static_assert(kSmem <= 227 * 1024, "forward_kv_wgmma: shared memory over the sm_90 limit");
 static_assert(oBar % 8 == 0 && oStgL % 16 == 0 && oList % 16 == 0, "alignment of the small buffers");
@@ -338,16 +340,23 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
   int2* sInfo = reinterpret_cast<int2*>(smem + oInfo);            // [2] {first key row, tokens or -1}
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + oBar);      // [kStages]
   uint64_t* empty = full + kStages;                               // [kStages]
-  uint64_t* kv_full = empty + kStages;                            // [1]
-  uint64_t* kv_empty = kv_full + 1;                               // [1]
+  // K (with the list and info) and V have separate barriers: a warpgroup releases K after its
+  // last S of the item and V after its last PV, so the next item's K (and its first Q tiles)
+  // load under the current item's last softmax / PV / staging; V follows once it is free.
+  uint64_t* k_full = empty + kStages;                             // [1]
+  uint64_t* k_empty = k_full + 1;                                 // [1]
+  uint64_t* v_full = k_empty + 1;                                 // [1]
+  uint64_t* v_empty = v_full + 1;                                 // [1]
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       ::cuda::ptx::mbarrier_init(full + s, 1);
       ::cuda::ptx::mbarrier_init(empty + s, 128);  // the one consumer warpgroup of the stage
     }
-    ::cuda::ptx::mbarrier_init(kv_full, 32);             // every producer lane (its list writes)
-    ::cuda::ptx::mbarrier_init(kv_empty, kConsumerThreads);
+    ::cuda::ptx::mbarrier_init(k_full, 32);              // every producer lane (its list writes)
+    ::cuda::ptx::mbarrier_init(k_empty, kConsumerThreads);
+    ::cuda::ptx::mbarrier_init(v_full, 1);
+    ::cuda::ptx::mbarrier_init(v_empty, kConsumerThreads);
     ::cuda::ptx::fence_mbarrier_init(::cuda::ptx::sem_release, ::cuda::ptx::scope_cluster);
   }
   __syncthreads();
@@ -372,43 +381,52 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
         ntok = rec.z - rec.y;
       }
       // The list of item `it` goes to buffer it & 1, whose last reader (item it - 2) released it
-      // before the previous iteration went on: filled while the consumers still work on it - 1.
+      // (k_empty) before the previous iteration went on: filled while the consumers still work
+      // on it - 1.
       int32_t* list = sList + buf * kMaxItemTok;
       for (int i = lane; i < ntok; i += 32) list[i] = __ldg(vals + e0 + i) / K;
       if (lane == 0) sInfo[buf] = make_int2(krow, ntok);
       int next = (lane == 0 && ntok >= 0) ? atomicAdd(counter, 1) : 0;
       next = __shfl_sync(0xffffffffu, next, 0);
       __syncwarp();  // lane 0 reads the other lanes' list entries below
-      if (it > 0) mbarrier_wait(kv_empty, (it - 1) & 1);  // K, V of item it - 1 are free
+      if (it > 0) mbarrier_wait(k_empty, (it - 1) & 1);  // K and list of item it - 1 are free
       if (ntok < 0) {
-        ::cuda::ptx::mbarrier_arrive(kv_full);  // every lane: the consumers read ntok = -1 and stop
+        ::cuda::ptx::mbarrier_arrive(k_full);  // every lane: the consumers read ntok = -1 and stop
         return;
       }
       if (lane == 0) {
         ::cuda::ptx::mbarrier_arrive_expect_tx(::cuda::ptx::sem_release, ::cuda::ptx::scope_cta,
-                                               ::cuda::ptx::space_shared, kv_full, 2 * kKTile);
-        for (int slab = 0; slab < 2; ++slab) {
-          tma_load_3d(sK + slab * kKSlab, &k_map, slab * 64, kvh, krow, kv_full);
-          tma_load_3d(sV + slab * kKSlab, &v_map, slab * 64, kvh, krow, kv_full);
-        }
+                                               ::cuda::ptx::space_shared, k_full, kKTile);
+        for (int slab = 0; slab < 2; ++slab) tma_load_3d(sK + slab * kKSlab, &k_map, slab * 64, kvh, krow, k_full);
       } else {
-        ::cuda::ptx::mbarrier_arrive(kv_full);  // release: this lane's list entries
+        ::cuda::ptx::mbarrier_arrive(k_full);  // release: this lane's list entries
       }
       const int ntiles = (ntok + kTok - 1) / kTok;
-      if (lane == 0) {
-        for (int i = 0; i < ntiles; ++i) {
-          const int tg = tile_g + i, st = tg % kStages;
-          if (tg >= kStages) mbarrier_wait(empty + st, ((tg / kStages) - 1) & 1);
-          const int n = min(kTok, ntok - i * kTok);
-          ::cuda::ptx::mbarrier_arrive_expect_tx(::cuda::ptx::sem_release, ::cuda::ptx::scope_cta,
-                                                 ::cuda::ptx::space_shared, full + st, n * M * kD * 2);
-          unsigned char* dst = sQ + st * kQTile;
-          for (int j = 0; j < n; ++j) {
-            const int t = list[i * kTok + j];
-            tma_load_3d(dst + j * M * 128, &q_map, 0, head0, t, full + st);
-            tma_load_3d(dst + kQSlab + j * M * 128, &q_map, 64, head0, t, full + st);
-          }
+      auto issue_q = [&](int i) {
+        const int tg = tile_g + i, st = tg % kStages;
+        if (tg >= kStages) mbarrier_wait(empty + st, ((tg / kStages) - 1) & 1);
+        const int n = min(kTok, ntok - i * kTok);
+        ::cuda::ptx::mbarrier_arrive_expect_tx(::cuda::ptx::sem_release, ::cuda::ptx::scope_cta,
+                                               ::cuda::ptx::space_shared, full + st, n * M * kD * 2);
+        unsigned char* dst = sQ + st * kQTile;
+        for (int j = 0; j < n; ++j) {
+          const int t = list[i * kTok + j];
+          tma_load_3d(dst + j * M * 128, &q_map, 0, head0, t, full + st);
+          tma_load_3d(dst + kQSlab + j * M * 128, &q_map, 64, head0, t, full + st);
         }
+      };
+      // Each warpgroup's first tile before V: their stages are freed by S products of earlier
+      // items, which need nothing issued below. Not more: a warpgroup's later tiles wait for
+      // stages it frees only after its first PV, which needs V.
+      const int early = min(ntiles, 2);
+      if (lane == 0)
+        for (int i = 0; i < early; ++i) issue_q(i);
+      if (it > 0) mbarrier_wait(v_empty, (it - 1) & 1);  // V of item it - 1 is free
+      if (lane == 0) {
+        ::cuda::ptx::mbarrier_arrive_expect_tx(::cuda::ptx::sem_release, ::cuda::ptx::scope_cta,
+                                               ::cuda::ptx::space_shared, v_full, kKTile);
+        for (int slab = 0; slab < 2; ++slab) tma_load_3d(sV + slab * kKSlab, &v_map, slab * 64, kvh, krow, v_full);
+        for (int i = early; i < ntiles; ++i) issue_q(i);
       }
       tile_g += ntiles;
       item = next;
@@ -547,7 +565,7 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
   // PV(i), so the tensor core works on it while this warpgroup waits for PV(i), stages O(i) and
   // issues its reduce-adds; only softmax(i+2) waits for S(i+2). Live at the peak: o and s (both
   // products in flight) and pf (read by PV(i)): 160 registers. The pipeline does not cross
-  // items: the next item's K is not loaded before this one's K/V are released.
+  // items (one K/V buffer), but K is released after the item's last S and V after its last PV.
   // Shape for ptxas: the two products are issued back to back with no branch between them and
   // the loop exit sits before them; a branch between PV(i) and S(i+2), or a product inside a
   // branch, makes ptxas serialise every wgmma of the kernel (C7514 / C7518).
@@ -557,7 +575,7 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
   int tile_g = 0;
   for (int it = 0;; ++it) {
     const int buf = it & 1;
-    mbarrier_wait(kv_full, it & 1);
+    mbarrier_wait(k_full, it & 1);
     const int2 info = sInfo[buf];
     const int krow = info.x, ntok = info.y;
     if (ntok < 0) break;
@@ -565,7 +583,8 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
     const int ntiles = (ntok + kTok - 1) / kTok;
     int i = (tile_g & 1) == cw ? 0 : 1;  // this warpgroup's first tile of the item
     if (i >= ntiles) {
-      ::cuda::ptx::mbarrier_arrive(kv_empty);  // nothing of this item for this warpgroup
+      ::cuda::ptx::mbarrier_arrive(k_empty);  // nothing of this item for this warpgroup
+      ::cuda::ptx::mbarrier_arrive(v_empty);
       tile_g += ntiles;
       continue;
     }
@@ -575,7 +594,10 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
     wgmma_wait<0>();
     wgmma_fence_operands(s);
     ::cuda::ptx::mbarrier_arrive(empty + cur.st);  // the Q stage is no longer read
+    // K and the list are read by S products and start_tile only: free after the last S.
+    if (i + 2 >= ntiles) ::cuda::ptx::mbarrier_arrive(k_empty);
     softmax(s, cur, pf, l0, l1);
+    mbarrier_wait(v_full, it & 1);  // V of this item, before its first PV
     for (;;) {
       const int inext = i + 2;
       if (inext >= ntiles) break;
@@ -592,6 +614,7 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
       wgmma_wait<0>();  // S(i + 2)
       wgmma_fence_operands(s);
       ::cuda::ptx::mbarrier_arrive(empty + nxt.st);  // the Q stage is no longer read
+      if (inext + 2 >= ntiles) ::cuda::ptx::mbarrier_arrive(k_empty);
       cur = nxt;
       i = inext;
       softmax(s, cur, pf, l0, l1);
@@ -602,10 +625,9 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
     wgmma_fence_operands(o);
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) wgmma_fence_operands(pf[kk]);
-    // This thread's last read of K, V and the list of the item is behind it (the reduce-adds
-    // take their tokens from registers): the producer may load the next item's K/V under this
-    // tile's staging and reduce-adds.
-    ::cuda::ptx::mbarrier_arrive(kv_empty);
+    // This thread's last read of V is behind it (the reduce-adds take their tokens from
+    // registers): the producer may load the next item's V under this tile's staging.
+    ::cuda::ptx::mbarrier_arrive(v_empty);
     stage_reduce(o, cur, l0, l1);
     tile_g += ntiles;
   }
