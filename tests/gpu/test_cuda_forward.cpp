@@ -545,16 +545,32 @@ struct ScopedChunk : ScopedEnv {
 
 // m = 16 on one kv head (the m3 group), 256-token chunks, a zero-length sequence, a sequence of
 // exactly one block, sequences shorter than a block and crossing chunk boundaries.
+// The same with 128-token chunks (small enough that the accumulators live in the index's dead
+// buffers: the aliasing branch of the workspace plan), and with one stream (no fork) and three
+// (four proxy groups over three streams).
 TEST(CudaForward, WgmmaKvM16SeveralChunks) {
   GPUTEST_REQUIRE_DEVICE();
   ScopedForwardPath path("wgmma");
-  ScopedChunk chunk("256");
-  check_forward_case(shape(64, 4, 4, 1, 128, 16, {1100, 37, 0, 900, 128, 700}), 141);
+  const Shape s = shape(64, 4, 4, 1, 128, 16, {1100, 37, 0, 900, 128, 700});
+  {
+    ScopedChunk chunk("256");
+    check_forward_case(s, 141);
+  }
+  {
+    ScopedChunk chunk("128");
+    check_forward_case(s, 149);
+  }
+  for (const char* streams : {"1", "3"}) {
+    ScopedEnv n("FLASHMSA_FWD_STREAMS", streams);
+    ScopedChunk chunk("256");
+    check_forward_case(s, 150);
+  }
 }
 
 // m = 4 (fm16k heads, two groups per kv head: K/V blocks shared by two groups' launches) and
 // m = 8 (gqa8) with the default chunk, local blocks, K = 1 and many short sequences; with the kl
-// output (query-major KL rows after the forward for m = 4, launch_kl_value for m = 8).
+// output (launch_kl_value after the forward). Then the forced path's own KL rows
+// (FLASHMSA_BACKWARD_PATH=mma: the KL value cannot follow KV-major).
 TEST(CudaForward, WgmmaKvSmallGroups) {
   GPUTEST_REQUIRE_DEVICE();
   ScopedForwardPath path("wgmma");
@@ -567,27 +583,32 @@ TEST(CudaForward, WgmmaKvSmallGroups) {
   for (int& l : lengths) l = static_cast<int>(rng() % 150);
   lengths[5] = 0;
   check_forward_case(shape(32, 2, 2, 2, 128, 4, lengths), 147);
+  ScopedEnv mma("FLASHMSA_BACKWARD_PATH", "mma");
+  check_forward_case(shape(16, 2, 4, 1, 128, 16, {1000, 50, 0, 900}), 151);
+  check_forward_case(shape(32, 4, 4, 1, 128, 16, {1500, 77}), 152);
 }
 
-// Rows whose best score exceeds the diagonal score by more than the fixed reference allows
-// (q of every other 300-token stretch scaled by 32, exact in bf16: scores of order 100) are
-// recomputed by the query-major kernel; the others keep the KV-major result. The test first
-// checks on the host that its inputs contain both kinds of tokens.
-TEST(CudaForward, WgmmaKvOverflowRowsRecomputed) {
-  GPUTEST_REQUIRE_DEVICE();
+// Rows whose best score exceeds the diagonal score by far more than the fixed reference allows
+// are recomputed by the query-major kernel; the others keep the KV-major result. In every other
+// 300-token stretch one head per token (head t % H: rows in both halves of a warpgroup's row
+// pairs) has q scaled by 64 (exact in bf16): scores of order 150 above the diagonal, far past the
+// 2^64 guard and past fp32's range had the row not been flagged (o would be inf or NaN). The test
+// first checks on the host that its inputs contain enough such tokens and enough plain ones.
+void check_overflow_recomputed(const Shape& sh, uint64_t seed) {
   ScopedForwardPath path("wgmma");
   ScopedChunk chunk("512");
   Problem pr;
-  gputest::make_problem(pr, shape(32, 2, 2, 1, 128, 8, {1900, 700}), 148);
+  gputest::make_problem(pr, sh, seed);
   const Shape& s = pr.s;
   for (int64_t t = 0; t < pr.T; ++t) {
     if ((t / 300) % 2 == 0) continue;
-    for (int64_t i = t * s.H * s.D; i < (t + 1) * s.H * s.D; ++i)
-      if ((pr.q[i] & 0x7f80) != 0) pr.q[i] = static_cast<uint16_t>(pr.q[i] + (5 << 7));  // x 32
+    const int64_t h = t % s.H;
+    for (int64_t i = (t * s.H + h) * s.D; i < (t * s.H + h + 1) * s.D; ++i)
+      if ((pr.q[i] & 0x7f80) != 0) pr.q[i] = static_cast<uint16_t>(pr.q[i] + (6 << 7));  // x 64
   }
   pr.dq.upload(pr.q);
-  // Host precondition: a row overflows for sure when its own block (always selected) holds a
-  // key scoring more than 64 / log2(e) above the diagonal.
+  // Host precondition: a row surely overflows when its own block (always selected) holds a key
+  // scoring more than 90 (natural units, ~130 in log2 units) above the diagonal.
   auto f32 = [](uint16_t b) {
     const uint32_t u = static_cast<uint32_t>(b) << 16;
     float x;
@@ -604,17 +625,16 @@ TEST(CudaForward, WgmmaKvOverflowRowsRecomputed) {
         auto score = [&](int64_t j) {
           double acc = 0;
           for (int d = 0; d < s.D; ++d)
-            acc += static_cast<double>(f32(pr.q[(t * s.H + h) * s.D + d])) *
-                   f32(pr.k[(j * s.Hkv + kvh) * s.D + d]);
+            acc += static_cast<double>(f32(pr.q[(t * s.H + h) * s.D + d])) * f32(pr.k[(j * s.Hkv + kvh) * s.D + d]);
           return acc * scale;
         };
         const double diag = score(t);
         const int64_t first = pr.cu[b] + (t - pr.cu[b]) / 128 * 128;
-        for (int64_t j = first; j <= t && !over; ++j) over = score(j) - diag > 64.0 / std::log2(std::exp(1.0)) + 1;
+        for (int64_t j = first; j <= t && !over; ++j) over = score(j) - diag > 90.0;
       }
       overflowing += over;
     }
-  std::printf("    tokens with an overflowing row (host, own block only): %lld of %lld\n",
+  std::printf("    tokens with a row far past the reference (host, own block only): %lld of %lld\n",
               static_cast<long long>(overflowing), static_cast<long long>(pr.T));
   ASSERT_GT(overflowing, 100) << "the inputs do not exercise the recompute path";
   ASSERT_LT(overflowing, pr.T / 2 + 1) << "the inputs do not keep any KV-major rows";
@@ -632,6 +652,42 @@ TEST(CudaForward, WgmmaKvOverflowRowsRecomputed) {
   if (!run_cpu_forward(pr, sel, c)) return;
   EXPECT_LT(gputest::rel_l2(g.o, c.o), 1e-2) << "o rel L2 vs CPU backend";
   EXPECT_LT(gputest::max_abs_diff(g.lse, c.lse), 1e-3) << "lse max abs vs CPU backend";
+}
+
+TEST(CudaForward, WgmmaKvOverflowRowsRecomputed) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_overflow_recomputed(shape(32, 2, 2, 1, 128, 8, {1900, 700}), 148);  // m = 16
+  check_overflow_recomputed(shape(16, 2, 4, 1, 128, 8, {1900, 700}), 153);  // m = 4
+}
+
+// Selection rows that are all padding (allowed by the API: block_idx is the caller's) give o = 0
+// and lse = -inf on every backend; the wgmma path must not divide 0 by 0 there.
+TEST(CudaForward, WgmmaKvPaddingOnlyRows) {
+  GPUTEST_REQUIRE_DEVICE();
+  ScopedForwardPath path("wgmma");
+  Problem pr;
+  gputest::make_problem(pr, shape(32, 2, 2, 1, 128, 8, {1300, 400}), 154);
+  std::vector<int32_t> sel;
+  {
+    ScopedForwardPath query("query");
+    sel = run_gpu(pr).sel;
+  }
+  const Shape& s = pr.s;
+  int64_t emptied = 0;
+  for (int p = 0; p < s.Hp; ++p)
+    for (int64_t t = 5; t < pr.T; t += 97, ++emptied)
+      for (int k = 0; k < s.K; ++k) sel[(p * pr.T + t) * s.K + k] = -1;
+  const GpuForward g = run_gpu_on(pr, sel, /*with_kl=*/false);
+  if (::testing::Test::HasFatalFailure()) return;
+  ASSERT_EQ(gputest::count_nonfinite(g.o), 0) << "o has unwritten or NaN elements";
+  CpuForward c;
+  if (!run_cpu_forward(pr, sel, c)) return;
+  EXPECT_LT(gputest::rel_l2(g.o, c.o), 1e-2) << "o rel L2 vs CPU backend";
+  int64_t bad = 0;
+  for (size_t i = 0; i < g.lse.size(); ++i)
+    bad += std::isinf(c.lse[i]) ? !(std::isinf(g.lse[i]) && g.lse[i] < 0) : !(std::fabs(g.lse[i] - c.lse[i]) < 1e-3);
+  EXPECT_EQ(bad, 0) << "lse differs from the CPU backend (-inf on the emptied rows)";
+  EXPECT_GT(emptied, 10);
 }
 
 // msa_forward = select_blocks + sparse_attention_forward, and reruns are bitwise identical.

@@ -16,6 +16,29 @@ namespace flashmsa::cuda {
               " at " + file + ":" + std::to_string(line));
 }
 
+// A stream-ordered allocation of `count` T that is freed on its stream when the scope ends, also
+// when a later launch throws (the free is then unchecked: an error is already in flight).
+template <typename T>
+class StreamAllocation {
+ public:
+  StreamAllocation(size_t count, cudaStream_t stream) : stream_(stream) {
+    if (count > 0) {
+      const cudaError_t err = cudaMallocAsync(reinterpret_cast<void**>(&ptr_), count * sizeof(T), stream);
+      if (err != cudaSuccess) throw_cuda_error(err, "cudaMallocAsync", __FILE__, __LINE__);
+    }
+  }
+  ~StreamAllocation() {
+    if (ptr_ != nullptr) cudaFreeAsync(ptr_, stream_);
+  }
+  StreamAllocation(const StreamAllocation&) = delete;
+  StreamAllocation& operator=(const StreamAllocation&) = delete;
+  T* get() const { return ptr_; }
+
+ private:
+  T* ptr_ = nullptr;
+  cudaStream_t stream_;
+};
+
 }  // namespace flashmsa::cuda
 
 #define FLASHMSA_CUDA_CHECK(call)                                                       \

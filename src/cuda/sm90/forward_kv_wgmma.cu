@@ -185,7 +185,7 @@ struct PlanBatch {
 
 __device__ __forceinline__ int lower_bound_i32(const int32_t* __restrict__ v, int lo, int hi, int64_t x) {
   while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
+    const int mid = lo + ((hi - lo) >> 1);
     if (static_cast<int64_t>(__ldg(v + mid)) < x) lo = mid + 1;
     else hi = mid;
   }
@@ -255,7 +255,8 @@ __global__ void __launch_bounds__(kPlanThreads) kvw_plan_kernel(
 // ---- finalize the previous (p, chunk), prepare the next ---------------------------------------
 
 // One warp per accumulator row R = token * M + hh (lane: columns 4 lane .. 4 lane + 3).
-// Finalize (tok < fin_n): o[t, h] = acc_o / acc_l (bf16), lse[h, t] = (mref + log2 acc_l) ln 2.
+// Finalize (tok < fin_n): o[t, h] = acc_o / acc_l (bf16), lse[h, t] = (mref + log2 acc_l) ln 2;
+// overflow[t] = 1 where acc_l < 2^-64 (nothing selected, or every term flushed to zero).
 // Prepare (tok < prep_n): mref = scale log2e <q[t, h], k[t, kvh]>, acc_o = acc_l = 0.
 template <int M>
 __global__ void __launch_bounds__(256) kvw_finprep_kernel(
@@ -268,7 +269,8 @@ __global__ void __launch_bounds__(256) kvw_finprep_kernel(
     float* __restrict__ acc_o,   // [C, M, 128], 8-float chunk j stored at j ^ (hh & 3)
     float* __restrict__ acc_l,   // [C, M]
     bf16* __restrict__ o,        // [T, H, 128]
-    float* __restrict__ lse) {   // [H, T]
+    float* __restrict__ lse,     // [H, T]
+    int32_t* __restrict__ overflow) {  // [T]
   const int lane = threadIdx.x & 31;
   const int rows = max(fin_n, prep_n) * M;
   const int warps = gridDim.x * (blockDim.x >> 5);
@@ -286,7 +288,13 @@ __global__ void __launch_bounds__(256) kvw_finprep_kernel(
       packed.x = pack_bf16x2(a.x * inv, a.y * inv);
       packed.y = pack_bf16x2(a.z * inv, a.w * inv);
       *reinterpret_cast<uint2*>(o + (t * H + h) * kD + 4 * lane) = packed;
-      if (lane == 0) lse[static_cast<int64_t>(h) * T + t] = (mr + log2f(l)) * kLn2;
+      if (lane == 0) {
+        lse[static_cast<int64_t>(h) * T + t] = (mr + log2f(l)) * kLn2;
+        // A row with nothing (all-padding selection, allowed by the API) or whose every term
+        // underflowed (own block not selected and the reference far above the row's maximum):
+        // the query-major recompute gives the exact answer (o = 0, lse = -inf when empty).
+        if (!(l >= 0x1p-64f)) overflow[t] = 1;
+      }
     }
     __syncwarp();  // every lane has read mref[R] and acc_l[R] before lane 0 rewrites them
     if (tok < prep_n) {
@@ -679,13 +687,13 @@ struct KvwPlan {
 };
 
 // Sizes and chunk ranges from the host copy of cu_seqlens (O(B + chunks log B) host work).
-KvwPlan plan_kvw(const MsaParams& p) {
+KvwPlan plan_kvw(const MsaParams& p, int streams) {
   KvwPlan pl;
   pl.sel = selection_index_sizes(p);
   reserve_selection_index(pl.sel, p, pl.ws, nullptr);
   pl.m = p.H / p.Hp;
   pl.tok_per_tile = kRows / pl.m;
-  pl.S = std::max(1, std::min(stream_count(), p.Hp));
+  pl.S = std::max(1, std::min(streams, p.Hp));
   pl.C = chunk_tokens(pl.m, pl.S);
   pl.Ceff = static_cast<int>(std::min<int64_t>(pl.C, p.T));
   pl.n_chunks = static_cast<int>((p.T + pl.C - 1) / pl.C);
@@ -762,9 +770,10 @@ cudaStream_t helper_stream(int device, int i) {
 }
 
 // Fork of the caller's stream into n helper streams and the join back (event record + stream
-// wait only, so a graph capture of the caller's stream follows into the helpers and back).
-// Events live for one call: destroyed once the join is enqueued (the runtime keeps a recorded
-// event's resources until it completes).
+// wait only). Every event is created up front, so the error paths (the constructor's catch, the
+// destructor) only record and wait: no helper is ever left unjoined while the caller goes on to
+// free the workspace. Events are destroyed once their wait is enqueued (the runtime keeps a
+// recorded event's resources until it completes).
 class StreamFork {
  public:
   // n = 0: no helpers, nothing recorded (the caller's stream does all the work).
@@ -773,6 +782,11 @@ class StreamFork {
     cudaEvent_t fork = nullptr;
     FLASHMSA_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
     try {
+      for (int i = 0; i < n; ++i) {
+        cudaEvent_t ev = nullptr;
+        FLASHMSA_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+        joins_.push_back(ev);
+      }
       FLASHMSA_CUDA_CHECK(cudaEventRecord(fork, caller));
       for (int i = 0; i < n; ++i) {
         cudaStream_t st = helper_stream(device, i);
@@ -781,44 +795,51 @@ class StreamFork {
       }
     } catch (...) {
       cudaEventDestroy(fork);
+      release();
       throw;
     }
-    FLASHMSA_CUDA_CHECK(cudaEventDestroy(fork));
+    cudaEventDestroy(fork);
   }
   StreamFork(const StreamFork&) = delete;
   StreamFork& operator=(const StreamFork&) = delete;
-  // The error path: join what can still be joined before the workspace is freed.
-  ~StreamFork() {
-    for (cudaStream_t st : helpers_) {
-      cudaEvent_t ev = nullptr;
-      if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) continue;
-      if (cudaEventRecord(ev, st) == cudaSuccess) cudaStreamWaitEvent(caller_, ev, 0);
-      cudaEventDestroy(ev);
-    }
-  }
+  ~StreamFork() { release(); }
   cudaStream_t operator[](int i) const { return helpers_[static_cast<size_t>(i)]; }
   // The caller's stream waits for every helper; throws on a CUDA error (the destructor then
   // joins the helpers not yet joined).
   void join() {
     while (!helpers_.empty()) {
-      cudaEvent_t ev = nullptr;
-      FLASHMSA_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
-      const cudaError_t rec = cudaEventRecord(ev, helpers_.back());
-      const cudaError_t wait = rec == cudaSuccess ? cudaStreamWaitEvent(caller_, ev, 0) : rec;
-      cudaEventDestroy(ev);
-      FLASHMSA_CUDA_CHECK(wait);
+      const size_t i = helpers_.size() - 1;
+      FLASHMSA_CUDA_CHECK(cudaEventRecord(joins_[i], helpers_[i]));
+      FLASHMSA_CUDA_CHECK(cudaStreamWaitEvent(caller_, joins_[i], 0));
       helpers_.pop_back();
     }
   }
 
  private:
+  // Joins what is still forked (unchecked: an error is already in flight) and frees the events.
+  void release() noexcept {
+    while (!helpers_.empty()) {
+      const size_t i = helpers_.size() - 1;
+      if (cudaEventRecord(joins_[i], helpers_[i]) == cudaSuccess) cudaStreamWaitEvent(caller_, joins_[i], 0);
+      helpers_.pop_back();
+    }
+    for (cudaEvent_t ev : joins_) cudaEventDestroy(ev);
+    joins_.clear();
+  }
+
   cudaStream_t caller_;
   std::vector<cudaStream_t> helpers_;
+  std::vector<cudaEvent_t> joins_;  // joins_[i] for helpers_[i]
 };
 
 template <int M>
 void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
-  KvwPlan pl = plan_kvw(p);
+  // Under a graph capture of the caller's stream the helper streams would join the capture and
+  // stay in it until it ends, where another thread's eager work on them would be captured too:
+  // one stream then.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  FLASHMSA_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  KvwPlan pl = plan_kvw(p, capture == cudaStreamCaptureStatusNone ? stream_count() : 1);
   // Everything that can fail without side effects, before the workspace exists.
   const CUtensorMap q_map = make_bf16_head_map(p.q, p.T, p.H, kD, M);
   const CUtensorMap k_map = make_bf16_row_map(p.k, p.T, p.Hkv, kD, kBlk);
@@ -881,7 +902,7 @@ void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
         const int64_t rows = static_cast<int64_t>(std::max(fin_n, prep_n)) * M;
         kvw_finprep_kernel<M><<<grid_for(rows * 32, 256), 256, 0, st>>>(
             c_f >= 0 ? pl.c0[c_f] : 0, fin_n, p_f * M, c_n >= 0 ? pl.c0[c_n] : 0, prep_n, p_n * M, p_n * M / r, q,
-            k, p.H, p.Hkv, p.T, scale_log2, mref, acc_o, acc_l, o, p.lse);
+            k, p.H, p.Hkv, p.T, scale_log2, mref, acc_o, acc_l, o, p.lse, overflow);
         FLASHMSA_CHECK_LAUNCH();
       };
       // This lane's (chunk, group) pairs: chunk-major, groups l, l + S, ...
@@ -924,7 +945,8 @@ bool kv_wgmma_forward_applies(const MsaParams& p) {
   // Workspace <= size(q) / 2 (performance.md's rule, which matters at scale), or <= 64 MiB: small
   // problems (a few thousand tokens) would otherwise lose the path to the index's fixed costs.
   const size_t limit = std::max<size_t>(static_cast<size_t>(p.T) * p.H * p.D, size_t{64} << 20);
-  return plan_kvw(p).ws.size() <= limit;
+  // The plan with one stream too: a graph capture runs with one (run_kvw).
+  return std::max(plan_kvw(p, stream_count()).ws.size(), plan_kvw(p, 1).ws.size()) <= limit;
 }
 
 void launch_kv_wgmma_forward(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {

@@ -12,12 +12,12 @@ namespace flashmsa::cuda {
 
 // True only where launch_kv_wgmma_forward takes the problem: D = Dv = 128, bf16, block 128,
 // m = H/Hp in {4, 8, 16} with each group inside one kv head, top_k <= 32, T > 0, not
-// deterministic, Hp*T*K < 2^31 and its workspace <= T*H*D bytes (half the size of q).
+// deterministic, Hp*T*K < 2^31 and its workspace <= max(T*H*D bytes (half the size of q), 64 MiB).
 bool kv_wgmma_forward_applies(const MsaParams& p);
 
 // Writes o [T, H, Dv] and lse [H, T] of every token and overflow[t] (int32, [T]): 1 where a row
-// of token t overflowed the fixed reference (its o and lse must then be recomputed by the caller),
-// else 0; every element is written. Workspace is cudaMallocAsync/cudaFreeAsync on `stream`; no
+// of token t overflowed the fixed reference or summed to (almost) nothing (its o and lse must then
+// be recomputed by the caller), else 0; every element is written. Workspace is cudaMallocAsync/cudaFreeAsync on `stream`; no
 // host synchronisation. Throws Error if kv_wgmma_forward_applies(p) is false.
 void launch_kv_wgmma_forward(const MsaParams& p, int32_t* overflow, cudaStream_t stream);
 

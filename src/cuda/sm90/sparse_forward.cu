@@ -714,14 +714,14 @@ void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
   const bool kl_kv = p.kl != nullptr && kl_value_applies(p);
   const bool with_kl = p.kl != nullptr && !kl_kv;  // this file's KL passes
   a.fuse_kl = with_kl && items.n == p.Hp && !use_wgmma;
-  if (with_kl)
-    FLASHMSA_CUDA_CHECK(cudaMallocAsync(&a.kl_rows, sizeof(float) * p.T * p.Hp, stream));
+  const StreamAllocation<float> kl_rows(with_kl ? p.T * p.Hp : 0, stream);  // [Hp, T]
+  a.kl_rows = kl_rows.get();
   if (use_wgmma) {
     // The wgmma KV-major kernel softmaxes every row against a fixed reference (its diagonal
     // score); the tokens where a row's best score lies too far above it are flagged, and
     // redo_forward_kernel recomputes exactly those with this file's exact online softmax.
-    int32_t* redo = nullptr;  // [T] flags, then [T] list, then the count
-    FLASHMSA_CUDA_CHECK(cudaMallocAsync(&redo, sizeof(int32_t) * (2 * p.T + 1), stream));
+    const StreamAllocation<int32_t> flags(2 * p.T + 1, stream);  // [T] flags, then [T] list, then the count
+    int32_t* redo = flags.get();
     int32_t* list = redo + p.T;
     int32_t* count = list + p.T;
     launch_kv_wgmma_forward(p, redo, stream);
@@ -734,7 +734,6 @@ void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
     FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(redo_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     redo_kernel<<<1024, 32, smem, stream>>>(a, items, list, count);
     FLASHMSA_CHECK_LAUNCH();
-    FLASHMSA_CUDA_CHECK(cudaFreeAsync(redo, stream));
     if (with_kl) launch_kl_rows<128, false>(a, items, stream);  // forced path, KL not KV-major
   } else if (p.D == 64) {
     // K <= 32 keeps the single-window kernels (the sparse-training path); wider rows (the dense
@@ -748,7 +747,6 @@ void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
   if (with_kl) {
     kl_mean_kernel<<<1, 1024, 0, stream>>>(a.kl_rows, p.T * p.Hp, p.kl_coeff, p.kl);
     FLASHMSA_CHECK_LAUNCH();
-    FLASHMSA_CUDA_CHECK(cudaFreeAsync(a.kl_rows, stream));
   }
   if (kl_kv) launch_kl_value(p, stream);  // reads the lse written above
 }
