@@ -15,10 +15,10 @@
 namespace flashmsa::cuda {
 
 // A [rows, heads, cols] bf16 tensor (cols contiguous, row stride heads * cols) seen by TMA as a
-// 3-d map with a box of 64 columns x 1 head x box_rows rows, written to shared memory with the
-// 128-byte swizzle that wgmma_desc_sw128 describes. Rows past `rows` read as zeros.
-inline CUtensorMap make_bf16_row_map(const void* base, int64_t rows, int heads, int cols,
-                                     int box_rows) {
+// 3-d map with a box of 64 columns x box_heads heads x box_rows rows, written to shared memory
+// with the 128-byte swizzle that wgmma_desc_sw128 describes. Rows past `rows` read as zeros.
+inline CUtensorMap make_bf16_map(const void* base, int64_t rows, int heads, int cols, int box_heads,
+                                 int box_rows) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult status{};
@@ -33,7 +33,7 @@ inline CUtensorMap make_bf16_row_map(const void* base, int64_t rows, int heads, 
                               static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols) * 2,
                                  static_cast<cuuint64_t>(cols) * 2 * heads};
-  const cuuint32_t box[3] = {64, 1, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(box_heads), static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t elem_strides[3] = {1, 1, 1};
   const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base),
                             dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -44,37 +44,19 @@ inline CUtensorMap make_bf16_row_map(const void* base, int64_t rows, int heads, 
   return map;
 }
 
-// The same [rows, heads, cols] bf16 tensor with a box of 64 columns x box_heads heads x 1 row:
-// the box_heads consecutive heads of ONE row land as box_heads consecutive 128-byte rows of a
-// 64-column slab (the KV-major forward gathers the m heads of a proxy group, token by token, into
-// the rows of one MMA tile). Same 128-byte swizzle: TMA applies it to the final shared-memory
-// address (address bits 7-9 XOR bits 4-6), so a box written at row offset j * box_heads of a
-// 1024-aligned slab keeps the pattern of the whole slab even when box_heads < 8.
-inline CUtensorMap make_bf16_head_map(const void* base, int64_t rows, int heads, int cols,
-                                      int box_heads) {
-  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-    FLASHMSA_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
-                                                         cudaEnableDefault, &status));
-    if (status != cudaDriverEntryPointSuccess || fn == nullptr)
-      throw Error("flashmsa: the CUDA driver does not provide cuTensorMapEncodeTiled");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }();
-  CUtensorMap map{};
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(heads),
-                              static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols) * 2,
-                                 static_cast<cuuint64_t>(cols) * 2 * heads};
-  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(box_heads), 1};
-  const cuuint32_t elem_strides[3] = {1, 1, 1};
-  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base),
-                            dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    throw Error("flashmsa: cuTensorMapEncodeTiled failed with CUresult " + std::to_string(r));
-  return map;
+// Box of 64 columns x 1 head x box_rows rows: a tile of rows of one head.
+inline CUtensorMap make_bf16_row_map(const void* base, int64_t rows, int heads, int cols, int box_rows) {
+  return make_bf16_map(base, rows, heads, cols, 1, box_rows);
+}
+
+// Box of 64 columns x box_heads heads x 1 row: the box_heads consecutive heads of ONE row land as
+// box_heads consecutive 128-byte rows of a 64-column slab (the KV-major forward gathers the m
+// heads of a proxy group, token by token, into the rows of one MMA tile). TMA applies the swizzle
+// to the final shared-memory address (address bits 7-9 XOR bits 4-6), so a box written at row
+// offset j * box_heads of a 1024-aligned slab keeps the pattern of the whole slab even when
+// box_heads < 8 (checked on the H200 by the m = 4 forward tests).
+inline CUtensorMap make_bf16_head_map(const void* base, int64_t rows, int heads, int cols, int box_heads) {
+  return make_bf16_map(base, rows, heads, cols, box_heads, 1);
 }
 
 // Loads the box at (col, head, row) into `dst`, completing `bytes` on the mbarrier `bar`.
