@@ -21,10 +21,9 @@
 // fp32's 2^128, so flagged tokens are the only ones whose o/lse may be wrong (inf or NaN).
 //
 // Why chunks: an fp32 accumulator for every token (512 MB per group at m3/64k) would live in HBM
-// and every reduce-add would be an HBM read-modify-write. Tokens are
-// processed in chunks of C (default: 32 MB of acc_o, 4096 tokens at m = 16; FLASHMSA_FWD_CHUNK
-// overrides: a multiple of 128 >= 128) per proxy group p: acc_o [C, m, 128] fp32, acc_l and mref [C, m], which stay
-// in the H200's 50 MB L2 while the chunk is processed. S proxy groups (FLASHMSA_FWD_STREAMS,
+// and every reduce-add would be an HBM read-modify-write. Tokens are processed in chunks of C
+// (FLASHMSA_FWD_CHUNK overrides: a multiple of 128 >= 128) per proxy group p: acc_o [C, m, 128]
+// fp32, acc_l and mref [C, m], which stay in the H200's 50 MB L2 while the chunk is processed. S proxy groups (FLASHMSA_FWD_STREAMS,
 // default 2, at most Hp) run concurrently, group p on helper stream p % S with that stream's own
 // accumulator (the default C then splits the 32 MB: 2048 tokens per stream at m = 16), forked
 // from and joined back to the caller's stream by events. Per (p, chunk), on its stream:
@@ -74,13 +73,15 @@
 //
 // Traffic per 64-row tile (4.2 MFLOP): 16 KB of Q in, 32 KB of fp32 O reduced out (12 KB per
 // (token, group, block) against the query-major 64 KB), plus 64 KB of K/V per work item (~16
-// tiles at m3/64k). At m3/64k that is ~1.05 M tiles: ~50 GB through L2, i.e. ~8-10 ms at L2
-// bandwidth, above the ~7 ms of the tensor cores: this kernel is expected to be L2-bound too,
-// at a fifth of the query-major traffic. Not measured yet. Known costs: one K/V load latency per
-// item, partly hidden (K/V are not double-buffered: no shared memory left; K and the first Q
-// tiles load under the last softmax/PV/staging of the previous item), finprep's pass over the accumulator
-// (~1 ms at m3/64k), and 2 launches per (group, chunk) with a ramp and a tail each (measured:
-// 17% of the SM cycles of a launch at m3/64k, C = 4096; what the concurrent streams fill).
+// tiles at m3/64k): ~1.05 M tiles, ~50 GB through L2 at m3/64k.
+// Measured (H200, m3/64k): 27.1 ms query-major -> 19.4 (chunk 2048, one stream) -> 17.7 (chunk
+// 4096) -> 15.0-15.2 (two streams); the in-warpgroup pipelining then changed nothing at 64k
+// (15.3 ms) and gave 6% at 1M (454 -> 425 ms). ncu of one launch before the streams: L2 69%, SM
+// 31%, SM active 83% of elapsed (per-launch ramp and tail, what the streams fill). A double-
+// buffered K/V variant (staging in two halves to make room) measured slower and was dropped.
+// Known costs: one K/V load latency per item, partly hidden (K and the first Q tiles load under
+// the last softmax/PV/staging of the previous item), finprep's pass over the accumulator (~1 ms at
+// m3/64k), 2 launches per (group, chunk).
 #include "sm90/forward_kv_wgmma.cuh"
 
 #include <cuda_bf16.h>
