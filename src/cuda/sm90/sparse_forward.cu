@@ -1,10 +1,19 @@
-// Block-sparse main attention forward (msa.md step 5) and the proxy distillation loss (step 6).
+// Block-sparse main attention forward (msa.md step 5) and the proxy distillation loss (step 6):
+// the routing between the three forward kernels (launch_sparse_attention_forward, below) and the
+// query-major kernel itself.
+//
+// Routing: the wgmma KV-major kernel (forward_kv_wgmma.cu: D = 128, groups of 4/8/16 heads inside
+// one kv head, top_k <= 32, not deterministic) where the KL value, if asked for, can follow
+// KV-major (kl_value.cuh); tokens it flags (its fixed softmax reference overflowed, or a row had
+// nothing to sum) are recomputed here by redo_forward_kernel. Else the mma.sync KV-major kernel
+// (forward_kv.cu) for groups of fewer than 16 heads; else the query-major kernel.
 //
 // Query-major: one warp (= one CTA) owns one token and up to 16 main heads that share its proxy
 // head (hence its selection) and one kv head: those heads are the 16 MMA rows. The warp streams
 // its selected blocks as 32-key sub-tiles of K and V with a cp.async double buffer and keeps an
 // FA2-style online softmax in registers. Sub-tiles that start after the query are skipped, so
-// the partial own block costs only what it needs.
+// the partial own block costs only what it needs. Exact, bitwise reproducible, no extra memory:
+// deterministic mode, D = 64 and top_k > 32 (the dense warm-up's index) take it.
 //
 // The KL value needs the teacher (the group's mean P over the selected keys), which needs every
 // head's lse first; a second kernel recomputes the scores of one (proxy head, token) with the
@@ -12,19 +21,14 @@
 // same keys with the proxy, and writes KL[p, t]; a one-CTA reduction then forms kl_loss. All
 // reductions have a fixed order, so the KL value is bitwise reproducible. When one warp's rows
 // are the whole group (m <= 16 on one kv head, the M3 shape) that second pass runs inside the
-// forward kernel instead, from registers, with no per-key storage. Where the wgmma backward's
-// kernels apply (D = 128, each kv head one proxy group, top_k <= 32, workspace <= size(q)/2: m3;
-// gqa8 only when FLASHMSA_FORWARD_PATH=query, its default is forward_kv.cu) neither pass runs: the
-// KL value is computed KV-major after this kernel (kl_value.cuh), 11 ms instead of ~28 ms at
-// m3/64k. The figures "with the KL pass" below are those of the second pass.
+// forward kernel instead, from registers, with no per-key storage. Where the KV-major KL kernel
+// applies (kl_value_applies) neither pass runs: the KL value is computed after the forward
+// (11 ms instead of ~28 ms at m3/64k).
 //
 // Measured on an H200 (m3 shape, B=1, median of 10): forward 6.2 / 13.1 / 27.5 / 58.6 ms at
-// S = 16k / 32k / 64k / 128k (~150 TFLOP/s, ~20% of the 759 TFLOP/s matmul anchor); with the KL
-// pass 12.7 / 26.7 / 56.0 / 127 ms. Each (token, group) streams ~1 MB of K/V (16 blocks x 128
-// keys x 512 B) for ~17 MFLOP: ~9 TB/s of L2->SM traffic at 64k, i.e. this design is bound by
-// L2 bandwidth, not by the tensor cores. The KL pass re-streams K and kp (same bytes again).
-// A KV-major kernel (inverted index, one K/V block against a dense tile of gathered query rows)
-// would read each block once per tile of rows instead of once per token.
+// S = 16k / 32k / 64k / 128k (~150 TFLOP/s); each (token, group) streams ~1 MB of K/V (16 blocks
+// x 128 keys x 512 B) for ~17 MFLOP: ~9 TB/s of L2->SM traffic at 64k, i.e. this design is bound
+// by L2 bandwidth, not by the tensor cores (the wgmma KV-major kernel: 15.3 ms at 64k).
 //
 // top_k > 32 (the dense warm-up's all-visible-blocks index has K = blocks of the longest
 // sequence) takes separate kWide instantiations: the row is read in windows of 32 entries, one
