@@ -1,0 +1,173 @@
+// A whole training step (select_blocks, sparse_attention_forward with the KL value, fused_backward
+// with the KL value) captured into a CUDA graph on a non-blocking stream and replayed: the step
+// has no host synchronisation, no non-stream allocation and no other uncapturable call (a
+// global-mode capture fails on any of them), and the replays compute what an eager run computes.
+// Fast mode uses atomics (the wgmma forward's reduce-adds, the backward's dq), so fast replays are
+// compared within the tolerances; deterministic mode must give the same bits.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "flashmsa/flashmsa.h"
+#include "gpu_test_util.h"
+
+namespace {
+
+using flashmsa::DType;
+using gputest::DeviceBuffer;
+using gputest::Problem;
+using gputest::Shape;
+using gputest::shape;
+
+struct StepBuffers {
+  DeviceBuffer sel, o, lse, kl_fwd, d_o, dq, dk, dv, dqp, dkp, kl_bwd;
+};
+
+struct StepResult {
+  std::vector<int32_t> sel;
+  std::vector<uint16_t> o, dq, dk, dv, dqp, dkp;
+  std::vector<float> lse;
+  float kl_fwd = 0, kl_bwd = 0;
+};
+
+// cudaMemset runs on the legacy default stream, which a non-blocking stream does not wait for:
+// the device synchronisation orders the poison before the next run.
+void poison(StepBuffers& b) {
+  b.sel.fill(gputest::kIntPoisonByte);
+  for (DeviceBuffer* x : {&b.o, &b.lse, &b.kl_fwd, &b.dq, &b.dk, &b.dv, &b.dqp, &b.dkp, &b.kl_bwd})
+    x->fill(gputest::kFloatPoison);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+// The three calls of a step on `stream` (nothing else: the capture records exactly these).
+void enqueue_step(const Problem& pr, const flashmsa::Options& opt, StepBuffers& b, cudaStream_t stream) {
+  const Shape& s = pr.s;
+  const int64_t T = pr.T;
+  const auto in = pr.device_inputs();
+  const auto sel = gputest::dview(b.sel, DType::int32, {s.Hp, T, s.K});
+  const auto o = gputest::dview(b.o, DType::bf16, {T, s.H, s.D});
+  const auto lse = gputest::dview(b.lse, DType::fp32, {s.H, T});
+  flashmsa::select_blocks(in, opt, sel, stream);
+  flashmsa::sparse_attention_forward(in, sel, opt, o, lse, gputest::dview(b.kl_fwd, DType::fp32, {1}), stream);
+  const flashmsa::Gradients g = gputest::grad_views(b.dq.get(), b.dk.get(), b.dv.get(), b.dqp.get(), b.dkp.get(),
+                                                    s, T, flashmsa::Device::cuda);
+  flashmsa::fused_backward(in, sel, o, lse, gputest::dview(b.d_o, DType::bf16, {T, s.H, s.D}),
+                           flashmsa::TensorView(), opt, g, gputest::dview(b.kl_bwd, DType::fp32, {1}), stream);
+}
+
+StepResult take(const StepBuffers& b) {
+  StepResult r;
+  r.sel = b.sel.download<int32_t>();
+  r.o = b.o.download<uint16_t>();
+  r.lse = b.lse.download<float>();
+  r.dq = b.dq.download<uint16_t>();
+  r.dk = b.dk.download<uint16_t>();
+  r.dv = b.dv.download<uint16_t>();
+  r.dqp = b.dqp.download<uint16_t>();
+  r.dkp = b.dkp.download<uint16_t>();
+  r.kl_fwd = b.kl_fwd.download<float>()[0];
+  r.kl_bwd = b.kl_bwd.download<float>()[0];
+  return r;
+}
+
+double rel_l2_bf16(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
+  return gputest::rel_l2(gputest::bf16_to_doubles(a), gputest::bf16_to_doubles(b));
+}
+
+void check_captured_step(const Shape& s, uint64_t seed, bool deterministic) {
+  Problem pr;
+  gputest::make_problem(pr, s, seed);
+  const int64_t T = pr.T;
+  StepBuffers b;
+  b.sel = DeviceBuffer(static_cast<size_t>(s.Hp * T * s.K) * 4);
+  b.o = DeviceBuffer(static_cast<size_t>(T * s.H * s.D) * 2);
+  b.lse = DeviceBuffer(static_cast<size_t>(s.H * T) * 4);
+  b.kl_fwd = DeviceBuffer(4);
+  b.kl_bwd = DeviceBuffer(4);
+  b.d_o = DeviceBuffer(static_cast<size_t>(T * s.H * s.D) * 2);
+  std::mt19937_64 rng(seed + 1);
+  b.d_o.upload(gputest::random_bf16(static_cast<size_t>(T * s.H * s.D), rng));
+  b.dq = DeviceBuffer(pr.q.size() * 2);
+  b.dk = DeviceBuffer(pr.k.size() * 2);
+  b.dv = DeviceBuffer(pr.v.size() * 2);
+  b.dqp = DeviceBuffer(pr.qp.size() * 2);
+  b.dkp = DeviceBuffer(pr.kp.size() * 2);
+  flashmsa::Options opt = pr.options();
+  opt.deterministic = deterministic;
+
+  cudaStream_t stream = nullptr;
+  GPUTEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  poison(b);
+  enqueue_step(pr, opt, b, stream);
+  GPUTEST_CUDA(cudaStreamSynchronize(stream));
+  const StepResult eager = take(b);
+
+  cudaGraph_t graph = nullptr;
+  GPUTEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  try {
+    enqueue_step(pr, opt, b, stream);
+  } catch (const flashmsa::Error& e) {
+    cudaStreamEndCapture(stream, &graph);
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+    FAIL() << "the step threw under capture: " << e.what();
+  }
+  GPUTEST_CUDA(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec = nullptr;
+  GPUTEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 2; ++replay) {
+    poison(b);  // what a replay does not write stays NaN / 0xAB
+    GPUTEST_CUDA(cudaGraphLaunch(exec, stream));
+    GPUTEST_CUDA(cudaStreamSynchronize(stream));
+    const StepResult r = take(b);
+    EXPECT_EQ(r.sel, eager.sel) << "replay " << replay << ": selection differs";
+    if (deterministic) {
+      EXPECT_EQ(r.o, eager.o) << "replay " << replay;
+      EXPECT_EQ(r.lse, eager.lse) << "replay " << replay;
+      EXPECT_EQ(r.dq, eager.dq) << "replay " << replay;
+      EXPECT_EQ(r.dk, eager.dk) << "replay " << replay;
+      EXPECT_EQ(r.dv, eager.dv) << "replay " << replay;
+      EXPECT_EQ(r.dqp, eager.dqp) << "replay " << replay;
+      EXPECT_EQ(r.dkp, eager.dkp) << "replay " << replay;
+      EXPECT_EQ(std::memcmp(&r.kl_fwd, &eager.kl_fwd, 4), 0) << "replay " << replay;
+      EXPECT_EQ(std::memcmp(&r.kl_bwd, &eager.kl_bwd, 4), 0) << "replay " << replay;
+    } else {
+      const std::vector<uint16_t>* a[6] = {&r.o, &r.dq, &r.dk, &r.dv, &r.dqp, &r.dkp};
+      const std::vector<uint16_t>* e[6] = {&eager.o, &eager.dq, &eager.dk, &eager.dv, &eager.dqp, &eager.dkp};
+      const char* names[6] = {"o", "dq", "dk", "dv", "dqp", "dkp"};
+      for (int i = 0; i < 6; ++i) {
+        EXPECT_EQ(gputest::count_nonfinite(gputest::bf16_to_doubles(*a[i])), 0)
+            << "replay " << replay << ": " << names[i] << " unwritten";
+        EXPECT_LT(rel_l2_bf16(*a[i], *e[i]), 1e-3) << "replay " << replay << ": " << names[i] << " vs eager";
+      }
+      EXPECT_LT(gputest::max_abs_diff(std::vector<double>(r.lse.begin(), r.lse.end()),
+                                      std::vector<double>(eager.lse.begin(), eager.lse.end())),
+                1e-4)
+          << "replay " << replay << ": lse vs eager";
+      EXPECT_NEAR(r.kl_fwd, eager.kl_fwd, 1e-4 * std::fabs(eager.kl_fwd)) << "replay " << replay;
+      EXPECT_NEAR(r.kl_bwd, eager.kl_bwd, 1e-4 * std::fabs(eager.kl_bwd)) << "replay " << replay;
+    }
+  }
+  EXPECT_GT(eager.kl_fwd, 0.f) << "a KL of zero would make the kl checks vacuous";
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// m = 16 on Hkv = Hp (the m3 group: wgmma KV-major forward, KL value KV-major, wgmma backward)
+// and fm16k's heads (two groups per kv head: the shared-kv backward), fast and deterministic.
+TEST(CudaGraph, TrainingStepCapturedAndReplayedFast) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_captured_step(shape(32, 2, 2, 1, 128, 16, {1500, 0, 700}), 201, false);
+  check_captured_step(shape(16, 2, 4, 1, 128, 16, {1300, 333}), 202, false);
+}
+
+TEST(CudaGraph, TrainingStepCapturedAndReplayedDeterministic) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_captured_step(shape(32, 2, 2, 1, 128, 16, {1500, 0, 700}), 203, true);
+}
+
+}  // namespace
