@@ -17,9 +17,12 @@ SECTIONS="--section SpeedOfLight --section WarpStateStats --section SchedulerSta
 
 ncu --clock-control none --metrics gpu__time_duration.sum $RUN > "$OUT/kernels.log" 2>&1
 # kernel name and duration on one line, then the total per kernel name
-grep -E '^\s+[A-Za-z_].*\(|gpu__time_duration' "$OUT/kernels.log" | paste - - |
-  sed -E 's/^\s+([A-Za-z_0-9:<>, ]+)\(.*gpu__time_duration.sum\s+(\S+)\s+(\S+).*/\1 \3 \2/' |
-  awk '{t[$1]+=($2=="ms"?$3*1000:($2=="us"?$3:$3/1000)); n[$1]++} END {for (k in t) printf "%10.1f us %5d x %s\n", t[k], n[k], k}' |
+grep -E '^\s+[A-Za-z_].*\(.*Context|gpu__time_duration' "$OUT/kernels.log" | paste - - |
+  sed -E 's/\(anonymous namespace\):://g; s/^\s+(void )?([^(]+)\(.*gpu__time_duration.sum\s+(\S+)\s+(\S+).*/\4 \3 \2/' |
+  awk '{v = ($2 == "ms" ? $1 * 1000 : ($2 == "us" ? $1 : $1 / 1000)); name = $3
+        for (i = 4; i <= NF; i++) name = name " " $i
+        t[name] += v; n[name]++}
+       END {for (k in t) printf "%10.1f us %5d x %s\n", t[k], n[k], k}' |
   sort -rn > "$OUT/kernel_totals.txt"
 cat "$OUT/kernel_totals.txt"
 
