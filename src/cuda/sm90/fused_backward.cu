@@ -281,9 +281,7 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
     if constexpr (D == 128) {
       const bool fast = fx == nullptr && dq_acc != nullptr, det = fx != nullptr && dq_acc == nullptr;
       if (wgmma_kv_applies(p) && (fast || det)) {
-        const bool shared_kv = p.Hp > p.Hkv;  // G > 1
-        if (shared_kv == main_owned || (shared_kv && (dk_acc == nullptr || dv_acc == nullptr)))
-          throw Error("flashmsa: fused_backward: internal error: wgmma dk/dv ownership does not match the plan");
+        const bool shared_kv = p.Hp > p.Hkv;  // G > 1: dk_acc / dv_acc exist (!main_owned)
         auto launch_wgmma = [&](auto kernel) {
           constexpr int smem = bwd::WgBwd::kSmem;
           set_smem(kernel, smem);
@@ -418,6 +416,9 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // wgmma kernel takes this problem -- how tests prove which kernel ran, since on small grids
   // both kernels can give the same bits.
   const bool takes_wgmma = fold && p.D == 128 && wgmma_kv_applies(p) && (!det || dq_query_major);
+  // The wgmma kernel's dk/dv form follows G = Hp/Hkv; the plan's ownership must agree with it.
+  if (takes_wgmma && (p.Hp > p.Hkv) == main_owned)
+    throw Error("flashmsa: fused_backward: internal error: wgmma dk/dv ownership does not match the plan");
   if (backward_path_requires_wgmma() && !takes_wgmma)
     throw Error("flashmsa: fused_backward: FLASHMSA_BACKWARD_PATH=wgmma, but the wgmma kernel does not take "
                 "this problem (argument 'q': D = Dv = Dp = 128, whole proxy groups of >= 2 heads per kv head, "
