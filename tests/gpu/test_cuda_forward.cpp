@@ -315,6 +315,18 @@ TEST(CudaForward, WideTopKKlRows) {
 }
 
 
+// select_blocks + the forward without the kl output: o and lse written, against the host reference.
+void check_without_kl_vs_reference(const Shape& s, uint64_t seed) {
+  Problem pr;
+  gputest::make_problem(pr, s, seed);
+  const GpuForward g = run_gpu(pr, /*with_kl=*/false);
+  ASSERT_EQ(gputest::count_nonfinite(g.o), 0);
+  ASSERT_EQ(gputest::count_nonfinite(g.lse), 0);
+  const gputest::RefForward ref = gputest::reference_forward(pr, g.sel, 1.0);
+  EXPECT_LT(gputest::rel_l2(g.o, ref.o), 1e-2);
+  EXPECT_LT(gputest::max_abs_diff(g.lse, ref.lse), 1e-3);
+}
+
 // FLASHMSA_FORWARD_PATH for one scope (nullptr: unset, the default routing).
 struct ScopedForwardPath : ScopedEnv {
   explicit ScopedForwardPath(const char* value) : ScopedEnv("FLASHMSA_FORWARD_PATH", value) {}
@@ -350,14 +362,7 @@ TEST(CudaForward, KvMajorManyShortSequences) {
 TEST(CudaForward, KvMajorWithoutKlAndEmpty) {
   GPUTEST_REQUIRE_DEVICE();
   ForceKvPath kv;
-  Problem pr;
-  gputest::make_problem(pr, shape(16, 1, 1, 1, 128, 8, {1500, 300}), 44);
-  const GpuForward g = run_gpu(pr, /*with_kl=*/false);
-  ASSERT_EQ(gputest::count_nonfinite(g.o), 0);
-  ASSERT_EQ(gputest::count_nonfinite(g.lse), 0);
-  const gputest::RefForward ref = gputest::reference_forward(pr, g.sel, 1.0);
-  EXPECT_LT(gputest::rel_l2(g.o, ref.o), 1e-2);
-  EXPECT_LT(gputest::max_abs_diff(g.lse, ref.lse), 1e-3);
+  check_without_kl_vs_reference(shape(16, 1, 1, 1, 128, 8, {1500, 300}), 44);
 
   Problem empty;
   gputest::make_problem(empty, shape(64, 4, 4, 1, 128, 16, {0, 0}), 45);
@@ -609,12 +614,6 @@ void check_overflow_recomputed(const Shape& sh, uint64_t seed) {
   pr.dq.upload(pr.q);
   // Host precondition: a row surely overflows when its own block (always selected) holds a key
   // scoring more than 90 (natural units, ~130 in log2 units) above the diagonal.
-  auto f32 = [](uint16_t b) {
-    const uint32_t u = static_cast<uint32_t>(b) << 16;
-    float x;
-    std::memcpy(&x, &u, 4);
-    return x;
-  };
   const double scale = 1.0 / std::sqrt(static_cast<double>(s.D));
   int64_t overflowing = 0;
   for (int b = 0; b < pr.B; ++b)
@@ -625,7 +624,8 @@ void check_overflow_recomputed(const Shape& sh, uint64_t seed) {
         auto score = [&](int64_t j) {
           double acc = 0;
           for (int d = 0; d < s.D; ++d)
-            acc += static_cast<double>(f32(pr.q[(t * s.H + h) * s.D + d])) * f32(pr.k[(j * s.Hkv + kvh) * s.D + d]);
+            acc += static_cast<double>(gputest::from_bf16(pr.q[(t * s.H + h) * s.D + d])) *
+                   gputest::from_bf16(pr.k[(j * s.Hkv + kvh) * s.D + d]);
           return acc * scale;
         };
         const double diag = score(t);
@@ -777,14 +777,7 @@ TEST(CudaForward, KlValueKvMajorEmptySequencesTwoProxyHeads) {
 // Without a kl output the forward still writes o and lse.
 TEST(CudaForward, WithoutKl) {
   GPUTEST_REQUIRE_DEVICE();
-  Problem pr;
-  gputest::make_problem(pr, shape(8, 2, 2, 1, 64, 4, {777}), 22);
-  const GpuForward g = run_gpu(pr, /*with_kl=*/false);
-  ASSERT_EQ(gputest::count_nonfinite(g.o), 0);
-  ASSERT_EQ(gputest::count_nonfinite(g.lse), 0);
-  const gputest::RefForward ref = gputest::reference_forward(pr, g.sel, 1.0);
-  EXPECT_LT(gputest::rel_l2(g.o, ref.o), 1e-2);
-  EXPECT_LT(gputest::max_abs_diff(g.lse, ref.lse), 1e-3);
+  check_without_kl_vs_reference(shape(8, 2, 2, 1, 64, 4, {777}), 22);
 }
 
 // T = 0 (no sequences, and only empty sequences): the kl value is written as 0.

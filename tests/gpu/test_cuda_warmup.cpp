@@ -21,6 +21,15 @@ using gputest::DeviceBuffer;
 using gputest::Problem;
 using gputest::Shape;
 
+// Largest |gpu - cpu| over lse; infinite when the GPU wrote a non-finite value (unwritten rows
+// are NaN-poisoned).
+double lse_max_abs_error(const std::vector<float>& gpu, const std::vector<float>& cpu) {
+  double err = 0;
+  for (size_t i = 0; i < gpu.size(); ++i)
+    err = std::isfinite(gpu[i]) ? std::max(err, std::fabs(static_cast<double>(gpu[i]) - cpu[i])) : INFINITY;
+  return err;
+}
+
 void check_warmup(const Shape& s, uint64_t seed) {
   Problem pr;
   gputest::make_problem(pr, s, seed);
@@ -75,10 +84,7 @@ void check_warmup(const Shape& s, uint64_t seed) {
   };
   cmp("o", o, o_c);
   const auto lse_g = lse.download<float>();
-  double lse_err = 0;
-  for (size_t i = 0; i < lse_g.size(); ++i)
-    lse_err = std::isfinite(lse_g[i]) ? std::max(lse_err, std::fabs(static_cast<double>(lse_g[i]) - lse_c[i]))
-                                      : INFINITY;
+  const double lse_err = lse_max_abs_error(lse_g, lse_c);
   EXPECT_LT(lse_err, 1e-3) << "lse max abs error";
   cmp("dq", dq, dq_c);
   cmp("dk", dk, dk_c);
@@ -121,10 +127,7 @@ void check_dense_forward_no_kl(const Shape& s, uint64_t seed) {
   const double e = gputest::rel_l2(got, ref);
   EXPECT_LT(e, 1e-2) << "o rel L2";
   const auto lse_g = lse.download<float>();
-  double lse_err = 0;
-  for (size_t i = 0; i < lse_g.size(); ++i)
-    lse_err = std::isfinite(lse_g[i]) ? std::max(lse_err, std::fabs(static_cast<double>(lse_g[i]) - lse_c[i]))
-                                      : INFINITY;
+  const double lse_err = lse_max_abs_error(lse_g, lse_c);
   EXPECT_LT(lse_err, 1e-3) << "lse max abs error";
   std::printf("  dense fwd (no KL) o rel L2 %.3e, lse max abs %.3e\n", e, lse_err);
 }

@@ -951,9 +951,6 @@ bool kv_wgmma_forward_applies(const MsaParams& p) {
 }
 
 void launch_kv_wgmma_forward(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
-  if (!kv_wgmma_forward_applies(p))
-    throw Error("flashmsa: launch_kv_wgmma_forward: argument 'q': problem outside the kernel's shapes "
-                "(kv_wgmma_forward_applies is false)");
   switch (p.H / p.Hp) {
     case 4: run_kvw<4>(p, overflow, stream); break;
     case 8: run_kvw<8>(p, overflow, stream); break;

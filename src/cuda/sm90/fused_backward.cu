@@ -34,6 +34,7 @@
 #include <string>
 
 #include "common/check.cuh"
+#include "common/fixed_order_sum.cuh"
 #include "common/metadata.cuh"
 #include "common/selection_index.cuh"
 #include "launchers.h"
@@ -155,21 +156,6 @@ __global__ void convert_acc_kernel(const void* __restrict__ acc,  // [n] fp32, o
   }
 }
 
-// kl = factor * sum of the per-block partials, summed in a fixed order.
-__global__ void __launch_bounds__(256) kl_final_kernel(const float* __restrict__ part,  // [n]
-                                                       int64_t n, float factor,
-                                                       float* __restrict__ kl) {         // [1]
-  __shared__ float red[256];
-  float s = 0.f;
-  for (int64_t i = threadIdx.x; i < n; i += 256) s += part[i];
-  red[threadIdx.x] = s;
-  __syncthreads();
-  for (int w = 128; w > 0; w >>= 1) {
-    if (threadIdx.x < w) red[threadIdx.x] += red[threadIdx.x + w];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) kl[0] = red[0] * factor;
-}
 
 // ---- host side --------------------------------------------------------------------------------
 
@@ -229,9 +215,9 @@ void launch_student_lse(const MsaParams& p, cudaStream_t stream, const bwd::Inde
   FLASHMSA_CHECK_LAUNCH();
 }
 
-// kl = kl_c_base * the sum of the per-(p, block) shares, in kl_final_kernel's fixed order.
+// kl = kl_c_base * the sum of the per-(p, block) shares, in a fixed order.
 void launch_kl_final(const MsaParams& p, cudaStream_t stream, const float* kl_part, int64_t nkeys) {
-  kl_final_kernel<<<1, 256, 0, stream>>>(kl_part, nkeys, kl_c_base(p), p.kl);
+  fixed_order_sum_kernel<256><<<1, 256, 0, stream>>>(kl_part, nkeys, kl_c_base(p), 1.f, p.kl);
   FLASHMSA_CHECK_LAUNCH();
 }
 

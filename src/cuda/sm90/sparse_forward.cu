@@ -44,6 +44,7 @@
 
 #include "common/bf16.cuh"
 #include "common/check.cuh"
+#include "common/fixed_order_sum.cuh"
 #include "common/metadata.cuh"
 #include "common/mma.cuh"
 #include "common/reduce_scatter.cuh"
@@ -620,21 +621,6 @@ __global__ void __launch_bounds__(32) kl_rows_kernel(const FwdArgs a, const Head
   }
 }
 
-// kl_loss = coeff * mean of kl_rows, one CTA, fixed summation order.
-__global__ void __launch_bounds__(1024)
-    kl_mean_kernel(const float* __restrict__ rows, int64_t n, float coeff, float* __restrict__ out) {
-  __shared__ float part[1024];
-  float s = 0.f;
-  for (int64_t i = threadIdx.x; i < n; i += 1024) s += rows[i];
-  part[threadIdx.x] = s;
-  __syncthreads();
-  for (int off = 512; off > 0; off >>= 1) {
-    if (threadIdx.x < off) part[threadIdx.x] += part[threadIdx.x + off];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) out[0] = coeff * part[0] / static_cast<float>(n);
-}
-
 // KL[p, t] of every (proxy head, token) into a.kl_rows from the lse already written.
 template <int D, bool kWide>
 void launch_kl_rows(const FwdArgs& a, const HeadItems& items, cudaStream_t stream) {
@@ -749,7 +735,9 @@ void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
     else launch_forward<128, true>(a, items, with_kl, stream);
   }
   if (with_kl) {
-    kl_mean_kernel<<<1, 1024, 0, stream>>>(a.kl_rows, p.T * p.Hp, p.kl_coeff, p.kl);
+    // kl_loss = coeff * mean of the KL rows, in a fixed order.
+    fixed_order_sum_kernel<1024><<<1, 1024, 0, stream>>>(a.kl_rows, p.T * p.Hp, p.kl_coeff,
+                                                         static_cast<float>(p.T * p.Hp), p.kl);
     FLASHMSA_CHECK_LAUNCH();
   }
   if (kl_kv) launch_kl_value(p, stream);  // reads the lse written above
