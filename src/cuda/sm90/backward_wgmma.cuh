@@ -19,12 +19,14 @@
 //   WG1, WG2 (consumers): WG w owns keys 64w..64w+63. Head step: S^T = K_w Q^T and
 //     dP^T = V_w dO^T (SS), P^T and dS^T in registers, teacher sum += P^T (thread-private fp32
 //     slots in shared memory), dV_w += P^T dO and dK_w += dS^T Q (RS, fp32 for the whole CTA in
-//     registers), dS^T to a shared [128 keys][64 tok] tile, dQ[:, 64w..] = dS K (SS) -> atomics.
+//     registers), dS^T to a shared [128 keys][64 tok] tile, dQ[:, 64w..] = dS K (SS) -> staged
+//     in the consumed stage's Q / dO slot, one bulk reduce-add (256 bytes) per token row.
 //     Proxy step: S_p^T = Kp_w Qp^T, KL terms, dS_p^T = c (Qs - Tch), dkp share = dS_p^T Qp (RS,
-//     two 64-column halves -> atomics), dqp = dS_p Kp via the shared dS tile -> atomics.
+//     two 64-column halves -> atomics), dqp = dS_p Kp via the shared dS tile -> staged as dQ.
 //     Software pipelined by one product: step s+1's S^T (or S_p^T) is issued right behind step
-//     s's dQ (dqp) and runs under step s's atomics; the stage is released (empty) as soon as
-//     dV/dK (dkp) are done, before dQ (dqp), which reads only the dS tile and K (Kp).
+//     s's dQ (dqp) and runs under step s's staging; the stage is released (empty) once the bulk
+//     reduce-adds have read the staged rows (KL_ONLY and DET, which stage nothing: as soon as
+//     dV/dK (dkp) are done).
 //   End: dK (times scale), dV to bf16 in dk/dv (SHARED_KV: added into dk_acc / dv_acc with 16-byte
 //   fp32 REDs, or int64 fixed-point ones with DET); the block's KL share into kl_part in a fixed order.
 // KL_ONLY (the forward's KL value, launch_kl_value in fused_backward.cu): only S^T, P^T, the
@@ -78,7 +80,16 @@ struct WgLayout {
   static constexpr int oMeta = oTch + (KL_ONLY ? 0 : kTchBytes);  // kStages x TokMeta
   static constexpr int oRed = oMeta + kStages * static_cast<int>(sizeof(TokMeta));  // [8] fp32 (64 B)
   static constexpr int oBar = oRed + 64;               // full[kStages], empty[kStages], kv_full
-  static constexpr int kBytes = oBar + (2 * kStages + 1) * 8;
+  // dQ / dqp staging of the full kernel (not KL_ONLY): a warpgroup's 64 token rows x 64 fp32
+  // columns at a pitch of 272 bytes (a 256-byte pitch would put the 8 rows of a warp's float2
+  // stores on the same 8 banks; 16 bytes of padding spread them over all 32, and every row start
+  // stays 16-byte aligned, as the bulk reduce-add needs). Rows 0..59 lie in the consumed stage's
+  // Q slot (WG 0) or dO slot (WG 1), rows 60..63 here.
+  static constexpr int kStgPitch = 272;
+  static constexpr int kStgInSlot = kTokTile / kStgPitch;  // 60
+  static constexpr int kStgSpare = (kTileTok - kStgInSlot) * kStgPitch;
+  static constexpr int oStgSpare = (oBar + (2 * kStages + 1) * 8 + 15) / 16 * 16;  // [2][4][272]
+  static constexpr int kBytes = oStgSpare + (KL_ONLY ? 0 : 2 * kStgSpare);
   static constexpr int kSmem = kBytes + 1024;          // + alignment slack of the dynamic base
 };
 using WgBwd = WgLayout<false>;
@@ -90,6 +101,8 @@ static_assert(WgKl::kSmem <= 227 * 1024, "the KL-only kernel must fit in one SM'
 constexpr int kBarDsFree = 1;   // both WGs finished the MMA that read the previous dS tile
 constexpr int kBarDsReady = 2;  // both halves of the current dS tile are written and fenced
 constexpr int kBarKl = 3;       // per-warp KL partials are in shared memory
+constexpr int kBarStageDead = 4;  // both WGs' products that read the stage's Q / dO are done
+constexpr int kBarStaged = 5;     // + cw: this WG's dQ rows are in its staging (128 threads)
 
 // The calling thread's earlier cp.async copies arrive on `bar` when they complete (the count
 // given at init must include this arrival: .noinc).
@@ -151,6 +164,17 @@ __device__ __forceinline__ void wb_fx_tile(void* base,  // int64 accumulator (as
       "@hi red.relaxed.gpu.global.add.u64 [%1], %4;\n"
       "@hi red.relaxed.gpu.global.add.u64 [%1+8], %5;\n}\n" ::"l"(b + at_lo),
       "l"(b + at_hi), "l"(v0), "l"(v1), "l"(v2), "l"(v3), "r"(ok_lo ? 1 : 0), "r"(ok_hi ? 1 : 0)
+      : "memory");
+}
+
+// One staged row (64 fp32 = 256 bytes) bulk reduce-added into dst when ok; a predicated
+// instruction rather than a branch (see the call site).
+__device__ __forceinline__ void wb_bulk_reduce_if(bool ok, float* dst, uint32_t src_smem) {
+  const uint64_t gaddr = static_cast<uint64_t>(__cvta_generic_to_global(dst));
+  asm volatile(
+      "{\n.reg .pred q;\nsetp.ne.b32 q, %2, 0;\n"
+      "@q cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], 256;\n}\n" ::"l"(gaddr),
+      "r"(src_smem), "r"(ok ? 1 : 0)
       : "memory");
 }
 
@@ -394,7 +418,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     const TokMeta& tm = meta[st];  // the full barrier of stage st was waited in wait_full(s)
     const uint32_t q_st = smem_u32(sQ + st * L::kTokTile);
     const int trow = 16 * wi + g4;  // this thread's token rows of dQ / dqp: trow, trow + 8
-    int t_lo = -1, t_hi = -1;  // dQ / dqp rows: set by both steps of the full kernel
+    int t_lo = -1, t_hi = -1;  // DET: this thread's dqp rows (proxy steps)
 
     if (head) {
       // ---------------------------------------------------------- head step
@@ -471,13 +495,11 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
 
         if constexpr (!DET) {
           // dS^T into the shared tile for dQ, which needs all 128 keys (both WGs' halves). DsFree:
-          // each WG waited for its previous dQ / dqp product before its previous atomics.
+          // each WG waited for its previous dQ / dqp product before staging its rows.
           bar_sync(kBarDsFree, L::kConsumers);
           store_ds_frags(sdS, da, kr, c4);
           fence_proxy_async_shared();
           bar_sync(kBarDsReady, L::kConsumers);
-          t_lo = tm.tok[trow];
-          t_hi = tm.tok[trow + 8];
         }
         // dV, dK done before dQ is issued: then P^T / dS^T (their register A operands) are free
         // while dQ and the next step's S^T are in flight (all of them at once would not fit in
@@ -568,12 +590,15 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
         store_ds_frags(sdS, da, kr, c4);
         fence_proxy_async_shared();
         bar_sync(kBarDsReady, L::kConsumers);
-        t_lo = tm.tok[trow];
-        t_hi = tm.tok[trow + 8];
+        if constexpr (DET) {
+          t_lo = tm.tok[trow];
+          t_hi = tm.tok[trow + 8];
+        }
       }
     }
     // The stage (Q / Qp, dO, metadata) is no longer read: dQ / dqp read the dS tile and K / Kp.
-    ::cuda::ptx::mbarrier_arrive(empty + st);
+    // The fast full kernel releases it later: its dQ / dqp rows are staged in it.
+    if constexpr (KL_ONLY || DET) ::cuda::ptx::mbarrier_arrive(empty + st);
 
     if constexpr (KL_ONLY) {
       // No dQ / dqp: the next step's first product at once.
@@ -611,18 +636,42 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     if constexpr (DET) continue;  // S^T of step s+1 stays in flight into the next step
     wgmma_wait<1>();  // dQ / dqp done
     wgmma_fence_operands(dq);
-    float* const red_base = head ? dq_acc : static_cast<float*>(fa.dqp_acc);
-    const int rows = head ? H : Hp, hr = head ? p * m + hi : p;  // [T, rows, 128], row hr
-    const float f = head ? scale : fa.scale_p;
-    const int64_t at_lo = (static_cast<int64_t>(t_lo < 0 ? 0 : t_lo) * rows + hr) * D + 64 * cw + 2 * c4;
-    const int64_t at_hi = (static_cast<int64_t>(t_hi < 0 ? 0 : t_hi) * rows + hr) * D + 64 * cw + 2 * c4;
+    // dQ / dqp leave through the stage they were computed from: each WG's 64 x 64 fp32 block is
+    // stored to shared memory and every token row (256 bytes) bulk reduce-added into the fp32
+    // accumulator by one thread (cp.reduce.async.bulk), instead of 8 per-thread 16-byte REDs
+    // whose register operands the load/store unit held for thousands of cycles per step (ncu:
+    // ~40% of the consumers' stall samples). The stage's Q and dO are dead once BOTH WGs have
+    // retired the products that read them (dK / dV, or dkp): StageDead.
+    bar_sync(kBarStageDead, L::kConsumers);
+    {
+      const float f = head ? scale : fa.scale_p;
+      unsigned char* const stg = smem + (cw == 0 ? L::oQ : L::odO) + st * L::kTokTile;
+      unsigned char* const spare = smem + L::oStgSpare + cw * L::kStgSpare - L::kStgInSlot * L::kStgPitch;
+      auto stg_row = [&](int r) { return (r < L::kStgInSlot ? stg : spare) + r * L::kStgPitch; };
+      unsigned char* const row_lo = stg_row(trow) + 8 * c4;
+      unsigned char* const row_hi = stg_row(trow + 8) + 8 * c4;
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
-      wb_red_tile(red_base, at_lo + 8 * j, at_hi + 8 * j, t_lo >= 0, t_hi >= 0, dq[4 * j] * f, dq[4 * j + 1] * f,
-                  dq[4 * j + 2] * f, dq[4 * j + 3] * f, c4);
+      for (int j = 0; j < 8; ++j) {
+        *reinterpret_cast<float2*>(row_lo + 32 * j) = make_float2(dq[4 * j] * f, dq[4 * j + 1] * f);
+        *reinterpret_cast<float2*>(row_hi + 32 * j) = make_float2(dq[4 * j + 2] * f, dq[4 * j + 3] * f);
+      }
+      fence_proxy_async_shared();  // generic stores of the staging before the async-proxy reads
+      bar_sync(kBarStaged + cw, 128);
+      // Warps 0, 1 of the WG issue one token row each. Predicated, not branched around: a branch
+      // here made ptxas wait for the next step's S^T in flight (C7517).
+      const int r = ct & (kTileTok - 1), t = tm.tok[r];
+      float* const red_base = head ? dq_acc : static_cast<float*>(fa.dqp_acc);
+      const int rows = head ? H : Hp, hr = head ? p * m + hi : p;  // [T, rows, 128], row hr
+      wb_bulk_reduce_if((ct & 127) < kTileTok && t >= 0,
+                        red_base + (static_cast<int64_t>(max(t, 0)) * rows + hr) * D + 64 * cw, smem_u32(stg_row(r)));
+      bulk_commit_group();
+      bulk_wait_group_read<0>();  // the staging (= the stage) is free again
+    }
+    ::cuda::ptx::mbarrier_arrive(empty + st);
   }
   wgmma_wait<0>();  // the dropped product after the last step: no wgmma outlives the loop
   wgmma_fence_operands(s1);
+  if constexpr (!KL_ONLY && !DET) bulk_wait_group<0>();  // every dQ reduce-add has landed
 
   if constexpr (SHARED_KV) {
     // This group's share of dk, dv. Rows past the sequence end belong to another sequence:
