@@ -50,10 +50,27 @@ __global__ void __launch_bounds__(1024)
 }
 }  // namespace
 
-// Index of the sequence owning tile `tile` given tile_offsets (last b with offsets[b] <= tile).
-__device__ __forceinline__ int find_tile_sequence(const int32_t* __restrict__ tile_offsets, int B,
-                                                  int tile) {
-  return find_sequence(tile_offsets, B, tile);
+// Query tile `tile` of tile_rows rows (tiles numbered sequence after sequence, tile_offsets[b] =
+// the first tile of sequence b) placed in its sequence.
+struct TileInSequence {
+  int b;      // the owning sequence (last b with tile_offsets[b] <= tile)
+  int s0;     // packed index of its first token
+  int len;    // its length
+  int n_loc;  // the tile's index inside the sequence
+  int row0;   // the tile's first row inside the sequence (n_loc * tile_rows)
+  int rows;   // rows of the tile inside the sequence (< tile_rows for a last, partial tile)
+};
+__device__ __forceinline__ TileInSequence tile_in_sequence(const int32_t* __restrict__ tile_offsets,
+                                                           const int32_t* __restrict__ cu, int B, int tile,
+                                                           int tile_rows) {
+  TileInSequence ts;
+  ts.b = find_sequence(tile_offsets, B, tile);
+  ts.s0 = __ldg(cu + ts.b);
+  ts.len = __ldg(cu + ts.b + 1) - ts.s0;
+  ts.n_loc = tile - __ldg(tile_offsets + ts.b);
+  ts.row0 = ts.n_loc * tile_rows;
+  ts.rows = min(tile_rows, ts.len - ts.row0);
+  return ts;
 }
 
 }  // namespace flashmsa::cuda

@@ -11,6 +11,10 @@
 
 namespace flashmsa::cuda {
 
+// The kernels' softmax runs in base 2 (exp2 on the SFU): scores times log2(e), lse back times ln 2.
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
 // d += a * b, bf16 inputs, fp32 accumulators.
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4],
                                                uint32_t b0, uint32_t b1) {

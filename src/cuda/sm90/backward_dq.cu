@@ -29,7 +29,6 @@ namespace {
 using bf16 = __nv_bfloat16;
 
 constexpr int kBlk = 128;  // BLK
-constexpr float kLog2e = 1.4426950408889634f;
 
 struct DqArgs {
   const bf16* q;             // [T, H, D]

@@ -17,7 +17,6 @@ using bf16 = __nv_bfloat16;
 
 constexpr int kBlk = 128;     // keys per block (BLK); the CUDA backend only takes 128
 constexpr int kTileTok = 64;  // gathered query tokens per inner iteration
-constexpr float kLog2e = 1.4426950408889634f;
 
 // ---- fragment loaders (g = lane / 4, c = lane % 4; see common/mma.cuh) ----------------------
 // Every tile is row-major with RB bytes per row, 16-byte chunks XOR-swizzled by row & 7.

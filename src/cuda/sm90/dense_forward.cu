@@ -147,12 +147,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int h = static_cast<int>(blockIdx.x % H);
   if (tile >= __ldg(tile_off + B)) return;
   const int kvh = h / (H / Hkv);
-  const int b = find_tile_sequence(tile_off, B, tile);
-  const int s0 = __ldg(cu + b);
-  const int len = __ldg(cu + b + 1) - s0;
-  const int n_loc = tile - __ldg(tile_off + b);
-  const int row0 = n_loc * kBlk;
-  const int rows = min(kBlk, len - row0);
+  const TileInSequence ts = tile_in_sequence(tile_off, cu, B, tile, kBlk);
+  const int s0 = ts.s0, n_loc = ts.n_loc, row0 = ts.row0, rows = ts.rows;
   const int n_blocks = n_loc + 1;
   const int tid = threadIdx.x;
 
@@ -303,7 +299,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if (c == 0)
       lse[static_cast<int64_t>(h) * T + t] =
-          (st.m[i] * scale_log2 + __log2f(st.l[i])) * 0.69314718055994530942f;
+          (st.m[i] * scale_log2 + __log2f(st.l[i])) * kLn2;
   }
 }
 
@@ -328,7 +324,7 @@ void launch_dense_attention_forward(const MsaParams& p, cudaStream_t stream) {
     const CUtensorMap q_map = make_bf16_row_map(p.q, p.T, p.H, kHeadDim, kBlk);
     const CUtensorMap k_map = make_bf16_row_map(p.k, p.T, p.Hkv, kHeadDim, kBlk);
     const CUtensorMap v_map = make_bf16_row_map(p.v, p.T, p.Hkv, kHeadDim, kBlk);
-    const float scale_log2 = p.scale * 1.4426950408889634f;
+    const float scale_log2 = p.scale * kLog2e;
     const int tb = static_cast<int>(bound);
     dense_fwd_kernel<<<static_cast<unsigned>(bound * p.H), kThreads, kSmem, stream>>>(
         q_map, k_map, v_map, p.cu_seqlens, tile_off, p.T, p.B, p.H, p.Hkv, tb, scale_log2,

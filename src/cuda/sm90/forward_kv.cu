@@ -63,8 +63,6 @@ constexpr int kD = 128;        // head dim (D = Dv = Dp)
 constexpr int kRowBytes = kD * 2;
 constexpr int kWarps = 8;      // warps per CTA (16 MMA rows each)
 constexpr int kThreads = kWarps * 32;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 // ---- the two KV-major passes ---------------------------------------------------------------------
 

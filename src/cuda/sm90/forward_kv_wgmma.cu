@@ -123,8 +123,6 @@ constexpr int kConsumerThreads = 256;
 // m3/64k, H200: C = 1024 / 2048 / 4096 / 8192 -> forward 25.7 / 19.4 / 17.6 / 21.8 ms (8192: 64 MB,
 // past the L2).
 constexpr size_t kAccBudget = size_t{32} << 20;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kOverflowLog2 = 64.f;
 
 // Shared-memory plan (byte offsets from the 1024-aligned base).

@@ -81,12 +81,8 @@ __global__ void __launch_bounds__(SelectTiles<DP>::kThreads, 1)
   if (tile >= __ldg(tile_off + B)) return;
   const int p = blockIdx.y;
   const int pk = p / (Hp / Hpk);
-  const int b = find_tile_sequence(tile_off, B, tile);
-  const int s0 = __ldg(cu + b);
-  const int len = __ldg(cu + b + 1) - s0;
-  const int n_loc = tile - __ldg(tile_off + b);
-  const int row0 = n_loc * kBlk;
-  const int rows = min(kBlk, len - row0);
+  const TileInSequence ts = tile_in_sequence(tile_off, cu, B, tile, kBlk);
+  const int s0 = ts.s0, n_loc = ts.n_loc, row0 = ts.row0, rows = ts.rows;
   const int tid = threadIdx.x, lane = tid & 31;
 
   if (n_loc + 1 <= K) {

@@ -58,8 +58,6 @@ namespace flashmsa::cuda {
 namespace {
 
 constexpr int kBlk = 128;   // BLK
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 struct FwdArgs {
   const __nv_bfloat16* q;   // [T, H, D]
