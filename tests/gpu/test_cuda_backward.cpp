@@ -529,6 +529,47 @@ void check_kl_value_shared_kv(const Shape& shp, uint64_t seed) {
   std::printf("    kl KV-major %.7f, old route %.7f, cpu %.7f\n", kv, old, cpu_kl);
 }
 
+// ---- token-row tiles of the fast wgmma backward (groups of 8 or 16 heads, G = 1) ----
+
+// The default routing takes the token-row tiles for these shapes; FLASHMSA_BWD_ROWS=0 the per-head
+// tiles. Both against the CPU and against each other (their dq accumulators differ in layout and
+// in the order of the adds).
+void check_token_rows(const Shape& s, uint64_t seed) {
+  ASSERT_EQ(s.D, 128);
+  ASSERT_EQ(s.Hp, s.Hkv) << "premise: G = 1";
+  ASSERT_TRUE(s.H / s.Hp == 8 || s.H / s.Hp == 16) << "premise: groups of 8 or 16 heads";
+  Setup st;
+  make_setup(st, s, seed, true, 0.7f);
+  const Grads cpu = run_cpu(st);
+  DeviceSide d;
+  upload(d, st);
+  ScopedBackwardPath path("wgmma");
+  const Grads rows = run_gpu(d, st, false);
+  Grads per_head;
+  {
+    gputest::ScopedEnv env("FLASHMSA_BWD_ROWS", "0");
+    per_head = run_gpu(d, st, false);
+  }
+  compare(rows, cpu, "token rows");
+  compare(per_head, cpu, "per-head tiles");
+  expect_close(rows, per_head, "token rows vs per-head tiles");
+}
+
+TEST(CudaBackward, TokenRowsGroupOf8) {
+  GPUTEST_REQUIRE_DEVICE();
+  // gqa8 ratios: 8 tokens x 8 heads per tile; a partial last block and a short second sequence.
+  check_token_rows(shape(16, 2, 2, 1, 128, 16, {2200, 333}), 50);
+}
+
+TEST(CudaBackward, TokenRowsGroupOf16ManyShortSequences) {
+  GPUTEST_REQUIRE_DEVICE();
+  // 4 tokens x 16 heads per tile; lists shorter than a tile, empty sequences.
+  std::mt19937_64 rng(51);
+  std::vector<int> lengths;
+  for (int i = 0; i < 60; ++i) lengths.push_back(i % 13 == 2 ? 0 : 1 + static_cast<int>(rng() % 300));
+  check_token_rows(shape(16, 1, 1, 1, 128, 4, lengths), 51);
+}
+
 TEST(CudaBackward, KlValueSharedKvHead) {
   GPUTEST_REQUIRE_DEVICE();
   check_kl_value_shared_kv(shape(16, 2, 4, 1, 128, 16, {0, 2200, 1, 333}), 34);

@@ -167,15 +167,57 @@ __device__ __forceinline__ void wb_fx_tile(void* base,  // int64 accumulator (as
       : "memory");
 }
 
-// One staged row (64 fp32 = 256 bytes) bulk reduce-added into dst when ok; a predicated
-// instruction rather than a branch (see the call site).
-__device__ __forceinline__ void wb_bulk_reduce_if(bool ok, float* dst, uint32_t src_smem) {
+// A staged run of `bytes` (a multiple of 16) bulk reduce-added into dst when ok; a predicated
+// instruction rather than a branch (see the call sites).
+__device__ __forceinline__ void wb_bulk_reduce_if(bool ok, float* dst, uint32_t src_smem, uint32_t bytes) {
   const uint64_t gaddr = static_cast<uint64_t>(__cvta_generic_to_global(dst));
   asm volatile(
       "{\n.reg .pred q;\nsetp.ne.b32 q, %2, 0;\n"
-      "@q cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], 256;\n}\n" ::"l"(gaddr),
-      "r"(src_smem), "r"(ok ? 1 : 0)
+      "@q cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %3;\n}\n" ::"l"(gaddr),
+      "r"(src_smem), "r"(ok ? 1 : 0), "r"(bytes)
       : "memory");
+}
+
+// Token-row layout (RM > 0, see the kernel): a head step's 64 rows are 64/RM tokens x their RM
+// heads, so the RM heads of a token are RM columns of S^T / P^T. The teacher sum of each (key,
+// token) is complete within the step: this thread's partial sums over its columns, reduced over
+// the quad's 4 lanes (reduce-scatter by shuffles: lane c4 ends with the tokens k = c4 mod 4), are
+// stored into the [128 keys][64 tokens] fp32 teacher tile at column col0 + k, the column's bits 2..4
+// XORed with the key row's low 3 bits (conflict-free stores of the 8 key rows of a warp).
+__device__ __forceinline__ int teacher_col(int key, int col) { return col ^ ((key & 7) << 2); }
+
+template <int RM>
+__device__ __forceinline__ void store_token_teacher(float* tile, const float (&p)[32], int kr, int c4, int col0) {
+  constexpr int NT = 64 / RM;  // tokens in this step
+  float part[NT][2];
+#pragma unroll
+  for (int k = 0; k < NT; ++k) {
+    part[k][0] = part[k][1] = 0.f;
+#pragma unroll
+    for (int j = k * RM / 8; j < (k + 1) * RM / 8; ++j)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) part[k][r] += p[4 * j + 2 * r] + p[4 * j + 2 * r + 1];
+  }
+  const bool b1 = (c4 & 2) != 0, b0 = (c4 & 1) != 0;
+  float kept[NT / 2][2];  // tokens with bit 1 = b1, as (4q + i) -> kept[2q + i]
+#pragma unroll
+  for (int q = 0; q < NT / 4; ++q)
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float lo = part[4 * q + i][r], hi = part[4 * q + 2 + i][r];
+        kept[2 * q + i][r] = (b1 ? hi : lo) + __shfl_xor_sync(0xffffffffu, b1 ? lo : hi, 2);
+      }
+#pragma unroll
+  for (int q = 0; q < NT / 4; ++q)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float lo = kept[2 * q][r], hi = kept[2 * q + 1][r];
+      const float sum = (b0 ? hi : lo) + __shfl_xor_sync(0xffffffffu, b0 ? lo : hi, 1);
+      const int key = kr + 8 * r, col = col0 + 4 * q + c4;  // token 4q + c4 of the step
+      tile[key * 64 + teacher_col(key, col)] = sum;
+    }
 }
 
 // Stores a 64-key x 64-token dS^T accumulator (as its bf16 A fragments, a[kk] = columns
@@ -226,7 +268,7 @@ __device__ __forceinline__ void ss_tokens_by_keys(float (&acc)[32], uint32_t ds_
 // into dk_acc / dv_acc instead of storing them. A template flag, not a runtime branch: the G = 1
 // instantiations run at the 240-register limit and must compile exactly as before. KL_ONLY needs
 // no flag (it writes no dk/dv; only the kv head it loads K from depends on G).
-template <bool KL_ONLY, bool DET = false, bool SHARED_KV = false>
+template <bool KL_ONLY, bool DET = false, bool SHARED_KV = false, int RM = 0>
 __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     const bf16* __restrict__ q,    // [T, H, 128]
     const bf16* __restrict__ k,    // [T, Hkv, 128]
@@ -244,6 +286,8 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     void* __restrict__ dv_acc) {   // [T, Hkv, 128] fp32 (int64 with DET), SHARED_KV only
   static_assert(!(KL_ONLY && DET), "the KL value has no gradients to make deterministic");
   static_assert(!(KL_ONLY && SHARED_KV), "the KL value writes no dk/dv: one KL_ONLY form serves every G");
+  static_assert(RM == 0 || (!KL_ONLY && !DET && !SHARED_KV && (RM == 8 || RM == 16)),
+                "token rows: the fast G = 1 form, groups of 8 or 16 heads (H / Hp == RM)");
   using L = WgLayout<KL_ONLY>;
   constexpr int D = L::kD;
   extern __shared__ __align__(16) unsigned char wb_smem_raw[];
@@ -322,13 +366,20 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     for (int s = 0; s < steps; ++s) {
       const int st = s & (L::kStages - 1);
       if (s >= L::kStages) mbarrier_wait(empty + st, ((s >> L::kStageLog) - 1) & 1);
-      if (hi == 0) t = row < min(kTileTok, bc.end - i0) ? __ldg(ix.vals + i0 + row) / ix.K : -1;
+      if constexpr (RM > 0) {
+        // Token rows: head step hi holds tokens i0 + hi * 64/RM .. (row / RM), all RM heads each;
+        // the group's proxy step its 64 tokens, one per row.
+        const int li = hi < m ? i0 + hi * (kTileTok / RM) + row / RM : i0 + row;
+        t = li < bc.end ? __ldg(ix.vals + li) / ix.K : -1;
+      } else {
+        if (hi == 0) t = row < min(kTileTok, bc.end - i0) ? __ldg(ix.vals + i0 + row) / ix.K : -1;
+      }
       const bool ok = t >= 0;
       const int64_t tt = ok ? t : 0;
       TokMeta& tm = meta[st];
       const uint32_t qs = q_dst + st * L::kTokTile;
       if (hi < m) {
-        const int h = p * m + hi;
+        const int h = p * m + (RM > 0 ? row % RM : hi);
         const uint32_t os = o_dst + st * L::kTokTile;
         const int64_t at = (tt * H + h) * D + 64 * half;
 #pragma unroll
@@ -378,7 +429,8 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   float tch[32];  // KL_ONLY: the teacher sums, in registers (no dK, dV there)
   wb_zero(tch);
   float4* slots = sTch + ct;  // thread-private: slot j at slots[j * 256]
-  if constexpr (!KL_ONLY) {
+  float* const tch_tile = reinterpret_cast<float*>(sTch);  // RM > 0: [128 keys][64 tokens], teacher_col
+  if constexpr (!KL_ONLY && RM == 0) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) slots[j * L::kConsumers] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
@@ -454,6 +506,10 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       if constexpr (KL_ONLY) {
 #pragma unroll
         for (int i = 0; i < 32; ++i) tch[i] += s1[i];
+      } else if constexpr (RM > 0) {
+        // Token rows: this step's tokens' teacher sums are complete (all RM heads are columns
+        // here); written once into the group's teacher tile, read by its proxy step.
+        store_token_teacher<RM>(tch_tile, s1, kr, c4, hi * (kTileTok / RM));
       } else {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -526,11 +582,18 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
         const float2 ls = *reinterpret_cast<const float2*>(&tm.lse[col]);  // the student's lse
         const int tpv[2] = {tp.x, tp.y};
         const float lsv[2] = {ls.x, ls.y};
-        const float4 t4 = KL_ONLY ? make_float4(tch[4 * j], tch[4 * j + 1], tch[4 * j + 2], tch[4 * j + 3])
-                                  : slots[j * L::kConsumers];
-        // The next tile starts from zero.
-        if constexpr (KL_ONLY) tch[4 * j] = tch[4 * j + 1] = tch[4 * j + 2] = tch[4 * j + 3] = 0.f;
-        else slots[j * L::kConsumers] = make_float4(0.f, 0.f, 0.f, 0.f);
+        float4 t4;
+        if constexpr (RM > 0) {  // the group's teacher tile (every column written by its head steps)
+          const float2 a = *reinterpret_cast<const float2*>(tch_tile + kr * 64 + teacher_col(kr, col));
+          const float2 b = *reinterpret_cast<const float2*>(tch_tile + (kr + 8) * 64 + teacher_col(kr + 8, col));
+          t4 = make_float4(a.x, a.y, b.x, b.y);
+        } else {
+          t4 = KL_ONLY ? make_float4(tch[4 * j], tch[4 * j + 1], tch[4 * j + 2], tch[4 * j + 3])
+                       : slots[j * L::kConsumers];
+          // The next tile starts from zero.
+          if constexpr (KL_ONLY) tch[4 * j] = tch[4 * j + 1] = tch[4 * j + 2] = tch[4 * j + 3] = 0.f;
+          else slots[j * L::kConsumers] = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
         const float tsum[4] = {t4.x, t4.y, t4.z, t4.w};
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -645,25 +708,46 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     bar_sync(kBarStageDead, L::kConsumers);
     {
       const float f = head ? scale : fa.scale_p;
+      // Token rows (RM > 0) at a head step: row (token k, head h) of both WGs at
+      // region(k) + h * 512 + 256 cw, where region(k) is token k's RM x 512 bytes (its dq rows, which
+      // are contiguous in dq_acc: one bulk reduce-add per token): tokens 0 .. 32/RM - 1 in the Q
+      // slot, the rest in the dO slot. The 32-byte column groups j of a row are stored at j ^ (h & 7)
+      // (the 8 rows of a warp's float2 stores then spread over the banks; a 512-byte pitch has no
+      // room for padding); convert_acc_kernel undoes it. Otherwise (and at proxy steps): per-WG
+      // rows of 256 bytes at the padded pitch, one bulk reduce-add per row.
+      const bool rows_step = RM > 0 && head;
+      constexpr int kRm = RM > 0 ? RM : 1;
       unsigned char* const stg = smem + (cw == 0 ? L::oQ : L::odO) + st * L::kTokTile;
       unsigned char* const spare = smem + L::oStgSpare + cw * L::kStgSpare - L::kStgInSlot * L::kStgPitch;
       auto stg_row = [&](int r) { return (r < L::kStgInSlot ? stg : spare) + r * L::kStgPitch; };
-      unsigned char* const row_lo = stg_row(trow) + 8 * c4;
-      unsigned char* const row_hi = stg_row(trow + 8) + 8 * c4;
+      auto token_region = [&](int k) {
+        return smem + (k < 32 / kRm ? L::oQ + k * kRm * 512 : L::odO + (k - 32 / kRm) * kRm * 512) + st * L::kTokTile;
+      };
+      const int perm = rows_step ? (trow % kRm) & 7 : 0;
+      unsigned char* const row_lo =
+          (rows_step ? token_region(trow / kRm) + (trow % kRm) * 512 + 256 * cw : stg_row(trow)) + 8 * c4;
+      unsigned char* const row_hi =
+          (rows_step ? token_region((trow + 8) / kRm) + ((trow + 8) % kRm) * 512 + 256 * cw : stg_row(trow + 8)) + 8 * c4;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        *reinterpret_cast<float2*>(row_lo + 32 * j) = make_float2(dq[4 * j] * f, dq[4 * j + 1] * f);
-        *reinterpret_cast<float2*>(row_hi + 32 * j) = make_float2(dq[4 * j + 2] * f, dq[4 * j + 3] * f);
+        *reinterpret_cast<float2*>(row_lo + 32 * (j ^ perm)) = make_float2(dq[4 * j] * f, dq[4 * j + 1] * f);
+        *reinterpret_cast<float2*>(row_hi + 32 * (j ^ perm)) = make_float2(dq[4 * j + 2] * f, dq[4 * j + 3] * f);
       }
       fence_proxy_async_shared();  // generic stores of the staging before the async-proxy reads
-      bar_sync(kBarStaged + cw, 128);
-      // Warps 0, 1 of the WG issue one token row each. Predicated, not branched around: a branch
-      // here made ptxas wait for the next step's S^T in flight (C7517).
-      const int r = ct & (kTileTok - 1), t = tm.tok[r];
+      if constexpr (RM > 0) bar_sync(kBarStaged, L::kConsumers);  // token regions span both WGs
+      else bar_sync(kBarStaged + cw, 128);
+      // Per-WG rows: warps 0, 1 of the WG issue one token row each. Token rows: threads 0 ..
+      // 64/RM - 1 one token each. Predicated, not branched around: a branch here made ptxas wait
+      // for the next step's S^T in flight (C7517).
+      const int r = ct & (kTileTok - 1);
+      const int t = tm.tok[rows_step ? (r % (kTileTok / kRm)) * kRm : r];
       float* const red_base = head ? dq_acc : static_cast<float*>(fa.dqp_acc);
-      const int rows = head ? H : Hp, hr = head ? p * m + hi : p;  // [T, rows, 128], row hr
-      wb_bulk_reduce_if((ct & 127) < kTileTok && t >= 0,
-                        red_base + (static_cast<int64_t>(max(t, 0)) * rows + hr) * D + 64 * cw, smem_u32(stg_row(r)));
+      const int rows = head ? H : Hp, hr = head ? p * m + (RM > 0 ? 0 : hi) : p;  // [T, rows, 128], row hr
+      const bool issues = rows_step ? ct < kTileTok / kRm : (ct & 127) < kTileTok;
+      wb_bulk_reduce_if(issues && t >= 0,
+                        red_base + (static_cast<int64_t>(max(t, 0)) * rows + hr) * D + (rows_step ? 0 : 64 * cw),
+                        smem_u32(rows_step ? token_region(r % (kTileTok / kRm)) : stg_row(r)),
+                        rows_step ? kRm * 512 : 64 * 4);
       bulk_commit_group();
       bulk_wait_group_read<0>();  // the staging (= the stage) is free again
     }

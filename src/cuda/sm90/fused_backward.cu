@@ -143,15 +143,24 @@ __global__ void fixed_point_kernel(const unsigned int* __restrict__ amax_bits,  
 
 // ---- outputs ----------------------------------------------------------------------------------
 
+// perm_heads > 0: acc is [rows, 128] fp32 with rows = (t, head) of perm_heads heads, and the
+// wgmma backward's token-row staging (RM > 0) stored each row's 32-byte column group j of
+// either 64-column half at j ^ (head & 7).
 __global__ void convert_acc_kernel(const void* __restrict__ acc,  // [n] fp32, or int64 when fx
                                    int64_t n, const float* __restrict__ fx,  // factor or null
-                                   bf16* __restrict__ out) {                  // [n]
+                                   bf16* __restrict__ out,                    // [n]
+                                   int perm_heads = 0) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    int64_t at = i;
+    if (perm_heads > 0) {
+      const int c = static_cast<int>(i & 127), hh = static_cast<int>((i >> 7) % perm_heads);
+      at = (i & ~int64_t{127}) + (c & 64) + ((((c >> 3) & 7) ^ (hh & 7)) << 3) + (c & 7);
+    }
     const float x = fx ? static_cast<float>(
-                             static_cast<double>(reinterpret_cast<const long long*>(acc)[i]) /
+                             static_cast<double>(reinterpret_cast<const long long*>(acc)[at]) /
                              static_cast<double>(*fx))
-                       : reinterpret_cast<const float*>(acc)[i];
+                       : reinterpret_cast<const float*>(acc)[at];
     out[i] = __float2bfloat16_rn(x);
   }
 }
@@ -171,6 +180,12 @@ void set_smem(Kernel kernel, int bytes) {
 bool backward_path_forces_mma() {
   const char* path = std::getenv("FLASHMSA_BACKWARD_PATH");
   return path != nullptr && std::strcmp(path, "mma") == 0;
+}
+// FLASHMSA_BWD_ROWS=0 keeps the fast wgmma backward's per-head 64-token tiles for groups of 8
+// or 16 heads (A/B timing); otherwise they take the token-row tiles (RM, backward_wgmma.cuh).
+bool backward_rows_disabled() {
+  const char* v = std::getenv("FLASHMSA_BWD_ROWS");
+  return v != nullptr && std::strcmp(v, "0") == 0;
 }
 bool backward_path_requires_wgmma() {
   const char* path = std::getenv("FLASHMSA_BACKWARD_PATH");
@@ -225,7 +240,7 @@ template <int D>
 void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, const float* di,
                  float* part_max, float* part_sum, float* lse_s, void* dq_acc, void* dqp_acc,
                  void* dk_acc, void* dv_acc, void* dkp_acc, const float* fx, float* kl_part,
-                 bool main_owned, bool kl_owned, int nseg, bool fold) {
+                 bool main_owned, bool kl_owned, int nseg, bool fold, int token_rows) {
   const auto* q = static_cast<const bf16*>(p.q);
   const auto* k = static_cast<const bf16*>(p.k);
   const auto* v = static_cast<const bf16*>(p.v);
@@ -282,6 +297,8 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
           else launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, false, true>);
         } else {
           if (det) launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, true>);
+          else if (token_rows == 16) launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, false, false, 16>);
+          else if (token_rows == 8) launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, false, false, 8>);
           else launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, false>);
         }
         return;
@@ -410,6 +427,11 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
                 "this problem (argument 'q': D = Dv = Dp = 128, whole proxy groups of >= 2 heads per kv head, "
                 "top_k <= 32 in deterministic mode)");
   const HeadItems dq_items = dq_query_major ? make_items(p, "fused_backward") : HeadItems{};
+  // The fast wgmma form with token-row tiles (groups of 8 or 16 heads, G = 1): its dq accumulator
+  // rows come with permuted column groups (convert_acc_kernel's perm_heads).
+  const int token_rows = takes_wgmma && !det && p.Hp == p.Hkv && (m == 8 || m == 16) && !backward_rows_disabled()
+                             ? m
+                             : 0;
 
   Workspace ws;
   reserve_selection_index(sel, p, ws, stream);
@@ -476,18 +498,18 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
     constexpr int D = decltype(tag)::value;
     run_kernels<D>(p, stream, ix, ws.at<float>(o_di), ws.at<float>(o_pmax), ws.at<float>(o_psum),
                    ws.at<float>(o_lse_s), dq_acc, ws.at<void>(o_dqp), dk_acc, dv_acc, dkp_acc, fx,
-                   ws.at<float>(o_kl_part), main_owned, kl_owned, nseg, fold);
+                   ws.at<float>(o_kl_part), main_owned, kl_owned, nseg, fold, token_rows);
   };
   if (p.D == 64) run(std::integral_constant<int, 64>{});
   else run(std::integral_constant<int, 128>{});
 
   // ---- outputs ----
-  auto convert = [&](const void* acc, int64_t n, int fx_index, void* out) {
+  auto convert = [&](const void* acc, int64_t n, int fx_index, void* out, int perm_heads = 0) {
     convert_acc_kernel<<<grid_for(n, 256), 256, 0, stream>>>(acc, n, fx ? fx + fx_index : nullptr,
-                                                             static_cast<bf16*>(out));
+                                                             static_cast<bf16*>(out), perm_heads);
     FLASHMSA_CHECK_LAUNCH();
   };
-  if (!dq_query_major) convert(dq_acc, n_dq, 0, p.dq);
+  if (!dq_query_major) convert(dq_acc, n_dq, 0, p.dq, token_rows > 0 ? p.H : 0);
   convert(ws.at<void>(o_dqp), n_dqp, 3, p.dqp);
   if (!main_owned) {
     convert(dk_acc, n_dk, 1, p.dk);
