@@ -544,8 +544,12 @@ void check_token_rows(const Shape& s, uint64_t seed) {
   DeviceSide d;
   upload(d, st);
   ScopedBackwardPath path("wgmma");
-  const Grads rows = run_gpu(d, st, false);
-  Grads per_head;
+  Grads rows, rows_again, per_head;
+  {
+    gputest::ScopedEnv env("FLASHMSA_BWD_ROWS", "1");  // an error unless the token-row form runs
+    rows = run_gpu(d, st, false);
+    rows_again = run_gpu(d, st, false);
+  }
   {
     gputest::ScopedEnv env("FLASHMSA_BWD_ROWS", "0");
     per_head = run_gpu(d, st, false);
@@ -553,6 +557,7 @@ void check_token_rows(const Shape& s, uint64_t seed) {
   compare(rows, cpu, "token rows");
   compare(per_head, cpu, "per-head tiles");
   expect_close(rows, per_head, "token rows vs per-head tiles");
+  expect_close(rows_again, rows, "token rows rerun");
 }
 
 TEST(CudaBackward, TokenRowsGroupOf8) {

@@ -102,7 +102,8 @@ constexpr int kBarDsFree = 1;   // both WGs finished the MMA that read the previ
 constexpr int kBarDsReady = 2;  // both halves of the current dS tile are written and fenced
 constexpr int kBarKl = 3;       // per-warp KL partials are in shared memory
 constexpr int kBarStageDead = 4;  // both WGs' products that read the stage's Q / dO are done
-constexpr int kBarStaged = 5;     // + cw: this WG's dQ rows are in its staging (128 threads)
+constexpr int kBarStaged = 5;     // + cw: this WG's dQ rows are in its staging (128 threads); with
+                                  // token rows: 5 both WGs' token regions, 6 + cw per-WG rows
 
 // The calling thread's earlier cp.async copies arrive on `bar` when they complete (the count
 // given at init must include this arrival: .noinc).
@@ -167,8 +168,17 @@ __device__ __forceinline__ void wb_fx_tile(void* base,  // int64 accumulator (as
       : "memory");
 }
 
-// A staged run of `bytes` (a multiple of 16) bulk reduce-added into dst when ok; a predicated
+// One staged row (64 fp32 = 256 bytes) bulk reduce-added into dst when ok; a predicated
 // instruction rather than a branch (see the call sites).
+__device__ __forceinline__ void wb_bulk_reduce_if(bool ok, float* dst, uint32_t src_smem) {
+  const uint64_t gaddr = static_cast<uint64_t>(__cvta_generic_to_global(dst));
+  asm volatile(
+      "{\n.reg .pred q;\nsetp.ne.b32 q, %2, 0;\n"
+      "@q cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], 256;\n}\n" ::"l"(gaddr),
+      "r"(src_smem), "r"(ok ? 1 : 0)
+      : "memory");
+}
+// The same for a staged run of `bytes` (a multiple of 16) known only at run time.
 __device__ __forceinline__ void wb_bulk_reduce_if(bool ok, float* dst, uint32_t src_smem, uint32_t bytes) {
   const uint64_t gaddr = static_cast<uint64_t>(__cvta_generic_to_global(dst));
   asm volatile(
@@ -314,6 +324,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   // the G groups of one kv head and key block (SHARED_KV) are neighbours in the grid.
   const int g = blockIdx.x / Hp, p = blockIdx.x % Hp;
   const int m = H / Hp;
+  if (RM > 0 && m != RM) __trap();  // token rows assume groups of exactly RM heads (host-checked)
   // Group p's heads p*m.. lie in kv head p*m / (H/Hkv) = p / G. The G = 1 backward keeps the
   // literal p (its code unchanged). The producer's copy only: the consumers of SHARED_KV work it
   // out again after their loop.
@@ -358,7 +369,8 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
 
     // Two threads per token row: thread `half` copies the row's 64-column slab `half` (8 chunks).
     // Kept lean: the producer runs on 24 registers (setmaxnreg), so the tile and head are
-    // counted rather than divided out, and the token index is read once per tile.
+    // counted rather than divided out, and the token index is read once per tile (token rows:
+    // once per step, each step has other tokens).
     const int row = pt >> 1, half = pt & 1, sw = row & 7;
     const uint32_t q_dst = smem_u32(sQ) + half * L::kTokSlab + row * 128;  // + stage + chunk
     const uint32_t o_dst = q_dst + (L::odO - L::oQ);
@@ -369,7 +381,8 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       if constexpr (RM > 0) {
         // Token rows: head step hi holds tokens i0 + hi * 64/RM .. (row / RM), all RM heads each;
         // the group's proxy step its 64 tokens, one per row.
-        const int li = hi < m ? i0 + hi * (kTileTok / RM) + row / RM : i0 + row;
+        constexpr int kR = RM > 0 ? RM : 1;
+        const int li = hi < m ? i0 + hi * (kTileTok / kR) + row / kR : i0 + row;
         t = li < bc.end ? __ldg(ix.vals + li) / ix.K : -1;
       } else {
         if (hi == 0) t = row < min(kTileTok, bc.end - i0) ? __ldg(ix.vals + i0 + row) / ix.K : -1;
@@ -379,7 +392,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       TokMeta& tm = meta[st];
       const uint32_t qs = q_dst + st * L::kTokTile;
       if (hi < m) {
-        const int h = p * m + (RM > 0 ? row % RM : hi);
+        const int h = p * m + (RM > 0 ? row % (RM > 0 ? RM : 1) : hi);
         const uint32_t os = o_dst + st * L::kTokTile;
         const int64_t at = (tt * H + h) * D + 64 * half;
 #pragma unroll
@@ -734,7 +747,8 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
         *reinterpret_cast<float2*>(row_hi + 32 * (j ^ perm)) = make_float2(dq[4 * j + 2] * f, dq[4 * j + 3] * f);
       }
       fence_proxy_async_shared();  // generic stores of the staging before the async-proxy reads
-      if constexpr (RM > 0) bar_sync(kBarStaged, L::kConsumers);  // token regions span both WGs
+      // Token regions span both WGs (256 threads); per-WG rows need only the WG (ids 6, 7 with RM).
+      if constexpr (RM > 0) bar_sync(rows_step ? kBarStaged : kBarStaged + 1 + cw, rows_step ? L::kConsumers : 128);
       else bar_sync(kBarStaged + cw, 128);
       // Per-WG rows: warps 0, 1 of the WG issue one token row each. Token rows: threads 0 ..
       // 64/RM - 1 one token each. Predicated, not branched around: a branch here made ptxas wait
@@ -744,10 +758,13 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       float* const red_base = head ? dq_acc : static_cast<float*>(fa.dqp_acc);
       const int rows = head ? H : Hp, hr = head ? p * m + (RM > 0 ? 0 : hi) : p;  // [T, rows, 128], row hr
       const bool issues = rows_step ? ct < kTileTok / kRm : (ct & 127) < kTileTok;
-      wb_bulk_reduce_if(issues && t >= 0,
-                        red_base + (static_cast<int64_t>(max(t, 0)) * rows + hr) * D + (rows_step ? 0 : 64 * cw),
-                        smem_u32(rows_step ? token_region(r % (kTileTok / kRm)) : stg_row(r)),
-                        rows_step ? kRm * 512 : 64 * 4);
+      float* const dst = red_base + (static_cast<int64_t>(max(t, 0)) * rows + hr) * D + (rows_step ? 0 : 64 * cw);
+      if constexpr (RM > 0)
+        wb_bulk_reduce_if(issues && t >= 0, dst,
+                          smem_u32(rows_step ? token_region(r % (kTileTok / kRm)) : stg_row(r)),
+                          rows_step ? kRm * 512 : 64 * 4);
+      else
+        wb_bulk_reduce_if(issues && t >= 0, dst, smem_u32(stg_row(r)));
       bulk_commit_group();
       bulk_wait_group_read<0>();  // the staging (= the stage) is free again
     }

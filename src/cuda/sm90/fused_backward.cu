@@ -143,19 +143,19 @@ __global__ void fixed_point_kernel(const unsigned int* __restrict__ amax_bits,  
 
 // ---- outputs ----------------------------------------------------------------------------------
 
-// perm_heads > 0: acc is [rows, 128] fp32 with rows = (t, head) of perm_heads heads, and the
-// wgmma backward's token-row staging (RM > 0) stored each row's 32-byte column group j of
-// either 64-column half at j ^ (head & 7).
+// permuted: acc is [T, H, 128] fp32 with H % 8 == 0 (so head & 7 == row & 7), and the wgmma
+// backward's token-row staging (RM > 0) stored each row's 32-byte column group j of either
+// 64-column half at j ^ (head & 7).
 __global__ void convert_acc_kernel(const void* __restrict__ acc,  // [n] fp32, or int64 when fx
                                    int64_t n, const float* __restrict__ fx,  // factor or null
                                    bf16* __restrict__ out,                    // [n]
-                                   int perm_heads = 0) {
+                                   bool permuted = false) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     int64_t at = i;
-    if (perm_heads > 0) {
-      const int c = static_cast<int>(i & 127), hh = static_cast<int>((i >> 7) % perm_heads);
-      at = (i & ~int64_t{127}) + (c & 64) + ((((c >> 3) & 7) ^ (hh & 7)) << 3) + (c & 7);
+    if (permuted) {
+      const int c = static_cast<int>(i & 127), h7 = static_cast<int>((i >> 7) & 7);
+      at = (i & ~int64_t{127}) + (c & 64) + ((((c >> 3) & 7) ^ h7) << 3) + (c & 7);
     }
     const float x = fx ? static_cast<float>(
                              static_cast<double>(reinterpret_cast<const long long*>(acc)[at]) /
@@ -183,9 +183,10 @@ bool backward_path_forces_mma() {
 }
 // FLASHMSA_BWD_ROWS=0 keeps the fast wgmma backward's per-head 64-token tiles for groups of 8
 // or 16 heads (A/B timing); otherwise they take the token-row tiles (RM, backward_wgmma.cuh).
-bool backward_rows_disabled() {
+// =1 makes it an error when the token-row tiles do not take a problem (tests). Read per call.
+bool backward_rows_env(const char* value) {
   const char* v = std::getenv("FLASHMSA_BWD_ROWS");
-  return v != nullptr && std::strcmp(v, "0") == 0;
+  return v != nullptr && std::strcmp(v, value) == 0;
 }
 bool backward_path_requires_wgmma() {
   const char* path = std::getenv("FLASHMSA_BACKWARD_PATH");
@@ -429,9 +430,11 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   const HeadItems dq_items = dq_query_major ? make_items(p, "fused_backward") : HeadItems{};
   // The fast wgmma form with token-row tiles (groups of 8 or 16 heads, G = 1): its dq accumulator
   // rows come with permuted column groups (convert_acc_kernel's perm_heads).
-  const int token_rows = takes_wgmma && !det && p.Hp == p.Hkv && (m == 8 || m == 16) && !backward_rows_disabled()
-                             ? m
-                             : 0;
+  const int token_rows =
+      takes_wgmma && !det && p.Hp == p.Hkv && (m == 8 || m == 16) && !backward_rows_env("0") ? m : 0;
+  if (backward_rows_env("1") && token_rows == 0)
+    throw Error("flashmsa: fused_backward: FLASHMSA_BWD_ROWS=1, but the token-row backward does not take this "
+                "problem (argument 'q': the fast wgmma backward with groups of 8 or 16 heads, one group per kv head)");
 
   Workspace ws;
   reserve_selection_index(sel, p, ws, stream);
@@ -504,12 +507,12 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   else run(std::integral_constant<int, 128>{});
 
   // ---- outputs ----
-  auto convert = [&](const void* acc, int64_t n, int fx_index, void* out, int perm_heads = 0) {
+  auto convert = [&](const void* acc, int64_t n, int fx_index, void* out, bool permuted = false) {
     convert_acc_kernel<<<grid_for(n, 256), 256, 0, stream>>>(acc, n, fx ? fx + fx_index : nullptr,
-                                                             static_cast<bf16*>(out), perm_heads);
+                                                             static_cast<bf16*>(out), permuted);
     FLASHMSA_CHECK_LAUNCH();
   };
-  if (!dq_query_major) convert(dq_acc, n_dq, 0, p.dq, token_rows > 0 ? p.H : 0);
+  if (!dq_query_major) convert(dq_acc, n_dq, 0, p.dq, token_rows > 0);
   convert(ws.at<void>(o_dqp), n_dqp, 3, p.dqp);
   if (!main_owned) {
     convert(dk_acc, n_dk, 1, p.dk);
