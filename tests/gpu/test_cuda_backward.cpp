@@ -558,6 +558,15 @@ void check_token_rows(const Shape& s, uint64_t seed) {
   compare(per_head, cpu, "per-head tiles");
   expect_close(rows, per_head, "token rows vs per-head tiles");
   expect_close(rows_again, rows, "token rows rerun");
+  // Deterministic mode takes the token-row tiles too (its DET form): bitwise over reruns.
+  gputest::ScopedEnv env("FLASHMSA_BWD_ROWS", "1");
+  const Grads det = run_gpu(d, st, true);
+  compare(det, cpu, "det token rows");
+  for (int run = 1; run < 3; ++run) {
+    const Grads again = run_gpu(d, st, true);
+    EXPECT_TRUE(again.raw == det.raw) << "deterministic token-row run " << run << " differs bitwise";
+    EXPECT_EQ(float_bits(again.kl), float_bits(det.kl)) << "deterministic kl differs in run " << run;
+  }
 }
 
 TEST(CudaBackward, TokenRowsGroupOf8) {

@@ -296,8 +296,8 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     void* __restrict__ dv_acc) {   // [T, Hkv, 128] fp32 (int64 with DET), SHARED_KV only
   static_assert(!(KL_ONLY && DET), "the KL value has no gradients to make deterministic");
   static_assert(!(KL_ONLY && SHARED_KV), "the KL value writes no dk/dv: one KL_ONLY form serves every G");
-  static_assert(RM == 0 || (!KL_ONLY && !DET && !SHARED_KV && (RM == 8 || RM == 16)),
-                "token rows: the fast G = 1 form, groups of 8 or 16 heads (H / Hp == RM)");
+  static_assert(RM == 0 || (!KL_ONLY && !SHARED_KV && (RM == 8 || RM == 16)),
+                "token rows: the G = 1 forms (fast, DET), groups of 8 or 16 heads (H / Hp == RM)");
   using L = WgLayout<KL_ONLY>;
   constexpr int D = L::kD;
   extern __shared__ __align__(16) unsigned char wb_smem_raw[];

@@ -297,7 +297,9 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
           if (det) launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, true, true>);
           else launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, false, true>);
         } else {
-          if (det) launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, true>);
+          if (det && token_rows == 16) launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, true, false, 16>);
+          else if (det && token_rows == 8) launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, true, false, 8>);
+          else if (det) launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, true>);
           else if (token_rows == 16) launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, false, false, 16>);
           else if (token_rows == 8) launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, false, false, 8>);
           else launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, false>);
@@ -430,11 +432,11 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   const HeadItems dq_items = dq_query_major ? make_items(p, "fused_backward") : HeadItems{};
   // The fast wgmma form with token-row tiles (groups of 8 or 16 heads, G = 1): its dq accumulator
   // rows come with permuted column groups (convert_acc_kernel's perm_heads).
-  const int token_rows =
-      takes_wgmma && !det && p.Hp == p.Hkv && (m == 8 || m == 16) && !backward_rows_env("0") ? m : 0;
+  // (Deterministic mode too: there the wgmma kernel computes no dq, so only the tiles change.)
+  const int token_rows = takes_wgmma && p.Hp == p.Hkv && (m == 8 || m == 16) && !backward_rows_env("0") ? m : 0;
   if (backward_rows_env("1") && token_rows == 0)
     throw Error("flashmsa: fused_backward: FLASHMSA_BWD_ROWS=1, but the token-row backward does not take this "
-                "problem (argument 'q': the fast wgmma backward with groups of 8 or 16 heads, one group per kv head)");
+                "problem (argument 'q': the wgmma backward with groups of 8 or 16 heads, one group per kv head)");
 
   Workspace ws;
   reserve_selection_index(sel, p, ws, stream);
@@ -512,7 +514,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
                                                              static_cast<bf16*>(out), permuted);
     FLASHMSA_CHECK_LAUNCH();
   };
-  if (!dq_query_major) convert(dq_acc, n_dq, 0, p.dq, token_rows > 0);
+  if (!dq_query_major) convert(dq_acc, n_dq, 0, p.dq, token_rows > 0);  // (det + token rows: dq is query-major)
   convert(ws.at<void>(o_dqp), n_dqp, 3, p.dqp);
   if (!main_owned) {
     convert(dk_acc, n_dk, 1, p.dk);
