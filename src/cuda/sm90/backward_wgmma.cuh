@@ -375,15 +375,20 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     const uint32_t q_dst = smem_u32(sQ) + half * L::kTokSlab + row * 128;  // + stage + chunk
     const uint32_t o_dst = q_dst + (L::odO - L::oQ);
     int t = -1, i0 = bc.begin, hi = 0;
+    // Token rows: head step hi holds tokens i0 + hi * 64/RM + (row / RM), all RM heads each; the
+    // group's proxy step its 64 tokens, one per row. Each step has other tokens, so the next
+    // step's index is loaded while this thread waits for the stage (t_next).
+    constexpr int kR = RM > 0 ? RM : 1;
+    auto token_of_step = [&](int hi_, int i0_) {
+      const int li = hi_ < m ? i0_ + hi_ * (kTileTok / kR) + row / kR : i0_ + row;
+      return li < bc.end ? __ldg(ix.vals + li) / ix.K : -1;
+    };
+    int t_next = RM > 0 ? token_of_step(0, i0) : -1;
     for (int s = 0; s < steps; ++s) {
       const int st = s & (L::kStages - 1);
       if (s >= L::kStages) mbarrier_wait(empty + st, ((s >> L::kStageLog) - 1) & 1);
       if constexpr (RM > 0) {
-        // Token rows: head step hi holds tokens i0 + hi * 64/RM .. (row / RM), all RM heads each;
-        // the group's proxy step its 64 tokens, one per row.
-        constexpr int kR = RM > 0 ? RM : 1;
-        const int li = hi < m ? i0 + hi * (kTileTok / kR) + row / kR : i0 + row;
-        t = li < bc.end ? __ldg(ix.vals + li) / ix.K : -1;
+        t = t_next;
       } else {
         if (hi == 0) t = row < min(kTileTok, bc.end - i0) ? __ldg(ix.vals + i0 + row) / ix.K : -1;
       }
@@ -418,6 +423,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
         hi = 0;
         i0 += kTileTok;
       }
+      if constexpr (RM > 0) t_next = s + 1 < steps ? token_of_step(hi, i0) : -1;
     }
     cp_async_wait<0>();  // no copy may outlive its issuing thread
     return;
