@@ -228,7 +228,7 @@ def main():
     results = {"commit": git_commit(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
                "card": card, "torch": torch.__version__, "ceiling_tflops": ceiling, "runs": []}
     rows = []
-    for name in args.configs.split(","):
+    for name in [c for c in args.configs.split(",") if c]:  # "" = the warm-up comparison only
         H, Hkv, Hp, Hpk, D, K, BLK, sizes = CONFIGS[name]
         cfg = (H, Hkv, Hp, Hpk, D, K, BLK)
         if args.seqlens:

@@ -146,6 +146,19 @@ TEST(CudaWarmup, GroupD128LongerThanK) {
   check_warmup(shape(8, 1, 2, 1, 128, {1000, 3}), 32);
 }
 
+// The forward's KL value on the wgmma shapes: dense causal kernel for o / lse, then the KV-major
+// KL pass over the all-blocks index (kl_value.cuh), here with K = 33 > 32 blocks (m3-like group of
+// 16 heads on one kv head, an empty sequence between) and with Hp = Hpk over short sequences.
+TEST(CudaWarmup, KlValueKvMajorGroup16MoreThan32Blocks) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_warmup(shape(16, 1, 1, 1, 128, {4200, 0, 300}), 35);
+}
+
+TEST(CudaWarmup, KlValueKvMajorOwnedProxyShortSequences) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_warmup(shape(8, 2, 2, 2, 128, {1, 129, 0, 1300}), 36);
+}
+
 // Longer than 32 blocks: the all-visible-blocks index has K = 40 (5000 tokens) and K = 71
 // (9000 tokens), so the forward walks its rows in windows of 32. 5000: m = 2 on one kv head
 // (KL fused in the forward); 9000: m = 4 over two kv heads (KL in kl_rows_kernel).

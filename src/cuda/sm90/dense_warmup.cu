@@ -5,8 +5,8 @@
 // J, so the sparse path computes exactly the dense definitions, with no new kernels and no
 // T x T buffer. Cost: the index is Hp*T*K int32 (T^2/128 per proxy head), and the KV-major
 // backward sorts Hp*T*K entries; fine for warm-up lengths, quadratic like the mode itself.
-// Exception: a forward without the KL value and with D = Dv = 128 runs the dense causal kernel
-// of dense_forward.cu instead (no index at all).
+// Exception: the forward at D = Dv = 128 runs the dense causal kernel of dense_forward.cu
+// instead (no index), and its KL value, on the wgmma shapes, the KV-major KL pass (kl_value.cuh).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -15,6 +15,7 @@
 
 #include "common/check.cuh"
 #include "common/metadata.cuh"
+#include "kl_value.cuh"
 #include "launchers.h"
 
 namespace flashmsa::cuda {
@@ -66,10 +67,15 @@ void launch_dense_warmup_forward(const MsaParams& p, cudaStream_t stream) {
     if (p.kl) FLASHMSA_CUDA_CHECK(cudaMemsetAsync(p.kl, 0, sizeof(float), stream));
     return;
   }
-  // Without the KL the forward is plain dense causal attention: the dedicated kernel needs no
-  // index. The KL (and head dims other than 128) still go through the all-blocks sparse path.
-  if (p.kl == nullptr && p.D == 128 && p.Dv == 128) {
-    launch_dense_attention_forward(p, stream);
+  // The main attention is plain dense causal attention: the dedicated kernel needs no index.
+  // The KL value, where the wgmma backward's shapes hold, is then the KV-major KL_ONLY pass over
+  // the all-blocks index (the index and its sort are the backward's, so no new memory peak).
+  // Other head dims go through the all-blocks sparse forward.
+  if (p.D == 128 && p.Dv == 128 && (p.kl == nullptr || wgmma_kv_applies(p))) {
+    MsaParams main = p;
+    main.kl = nullptr;
+    launch_dense_attention_forward(main, stream);
+    if (p.kl) with_dense_selection(p, stream, [&](const MsaParams& dense) { launch_kl_value(dense, stream); });
     return;
   }
   with_dense_selection(p, stream, [&](const MsaParams& dense) { launch_sparse_attention_forward(dense, stream); });

@@ -22,7 +22,8 @@ bool wgmma_kv_applies(const MsaParams& p);
 bool kl_value_applies(const MsaParams& p);
 
 // kl_loss into p.kl from q, k, qp, kp, block_idx and the forward's lse; p.T > 0 and
-// kl_value_applies(p) must hold. Workspace allocated and freed on `stream`.
+// wgmma_kv_applies(p) must hold (the sparse forward also asks kl_value_applies; the dense
+// warm-up takes the larger workspace of its all-blocks index, as its backward does). Workspace allocated and freed on `stream`.
 void launch_kl_value(const MsaParams& p, cudaStream_t stream);
 
 }  // namespace flashmsa::cuda
