@@ -37,6 +37,7 @@ struct MsaParams {
   const int32_t* cu_seqlens_host = nullptr;  // [B+1] on the host, validated
   // ---- selection ----
   int32_t* block_idx = nullptr;  // [Hp, T, K]; written by select, read by forward/backward
+  bool all_blocks = false;       // block_idx is the dense warm-up's every-visible-block selection
   // ---- forward outputs / backward inputs ----
   void* o = nullptr;      // [T, H, Dv]
   float* lse = nullptr;   // [H, T]

@@ -45,6 +45,7 @@ void with_dense_selection(const MsaParams& p, cudaStream_t stream, Body body) {
   MsaParams dense = p;
   dense.top_k = K;
   dense.local_blocks = K;
+  dense.all_blocks = true;
   int32_t* idx = nullptr;
   FLASHMSA_CUDA_CHECK(cudaMallocAsync(&idx, n * sizeof(int32_t), stream));
   const int grid = static_cast<int>(std::min<int64_t>(65536, (n + 255) / 256));

@@ -213,12 +213,38 @@ bwd::Index make_index(const MsaParams& p, const SelectionIndexPlan& sel, const W
   return ix;
 }
 
-// The student's lse per (p, t) into lse_s: per-slot partials (KV-major), then a merge.
+// The student's lse per (p, t) into lse_s: per-slot partials (KV-major), then a merge. Over the
+// dense warm-up's all-blocks selection the student is the proxy's dense causal softmax, whose lse
+// the dense attention kernel (dense_forward.cu, tensor-core pipelined) gives at a fraction of the
+// partials' cost (its o, over v = kp, goes to a scratch buffer and is dropped).
 template <int D>
 void launch_student_lse(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix,
                         float* part_max,  // [Hp, T, K]
                         float* part_sum,  // [Hp, T, K]
                         float* lse_s) {   // [Hp, T]
+  if (p.all_blocks && p.Dp == 128) {
+    MsaParams proxy = p;
+    proxy.q = p.qp;
+    proxy.k = p.kp;
+    proxy.v = p.kp;
+    proxy.H = p.Hp;
+    proxy.Hkv = p.Hpk;
+    proxy.D = proxy.Dv = p.Dp;
+    proxy.scale = p.proxy_scale;
+    proxy.lse = lse_s;
+    proxy.kl = nullptr;
+    void* o_scratch = nullptr;  // [T, Hp, Dp] bf16
+    FLASHMSA_CUDA_CHECK(cudaMallocAsync(&o_scratch, static_cast<size_t>(p.T) * p.Hp * p.Dp * sizeof(bf16), stream));
+    proxy.o = o_scratch;
+    try {
+      launch_dense_attention_forward(proxy, stream);
+    } catch (...) {
+      cudaFreeAsync(o_scratch, stream);
+      throw;
+    }
+    FLASHMSA_CUDA_CHECK(cudaFreeAsync(o_scratch, stream));
+    return;
+  }
   const int64_t nrow = static_cast<int64_t>(p.Hp) * p.T;
   const int lse_smem = (kBlk + bwd::kTileTok) * D * 2 + bwd::kTileTok * 4;
   set_smem(bwd::proxy_lse_kernel<D>, lse_smem);
