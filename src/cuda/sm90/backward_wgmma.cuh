@@ -397,7 +397,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       TokMeta& tm = meta[st];
       const uint32_t qs = q_dst + st * L::kTokTile;
       if (hi < m) {
-        const int h = p * m + (RM > 0 ? row % (RM > 0 ? RM : 1) : hi);
+        const int h = p * m + (RM > 0 ? row % kR : hi);
         const uint32_t os = o_dst + st * L::kTokTile;
         const int64_t at = (tt * H + h) * D + 64 * half;
 #pragma unroll
