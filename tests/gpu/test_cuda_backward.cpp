@@ -558,15 +558,27 @@ void check_token_rows(const Shape& s, uint64_t seed) {
   compare(per_head, cpu, "per-head tiles");
   expect_close(rows, per_head, "token rows vs per-head tiles");
   expect_close(rows_again, rows, "token rows rerun");
-  // Deterministic mode takes the token-row tiles too (its DET form): bitwise over reruns.
-  gputest::ScopedEnv env("FLASHMSA_BWD_ROWS", "1");
-  const Grads det = run_gpu(d, st, true);
-  compare(det, cpu, "det token rows");
-  for (int run = 1; run < 3; ++run) {
-    const Grads again = run_gpu(d, st, true);
-    EXPECT_TRUE(again.raw == det.raw) << "deterministic token-row run " << run << " differs bitwise";
-    EXPECT_EQ(float_bits(again.kl), float_bits(det.kl)) << "deterministic kl differs in run " << run;
+  // Deterministic mode takes the token-row tiles too (its DET form, dq staged as int64 fixed point
+  // and bulk reduce-added): bitwise over reruns, and close to the query-major dq of the per-head
+  // DET form (FLASHMSA_DET_DQ=query).
+  Grads det, det_query;
+  {
+    gputest::ScopedEnv rows_env("FLASHMSA_BWD_ROWS", "1");
+    gputest::ScopedEnv dq_env("FLASHMSA_DET_DQ", "kv");  // an error unless the int64 dq form runs
+    det = run_gpu(d, st, true);
+    compare(det, cpu, "det token rows");
+    for (int run = 1; run < 3; ++run) {
+      const Grads again = run_gpu(d, st, true);
+      EXPECT_TRUE(again.raw == det.raw) << "deterministic token-row run " << run << " differs bitwise";
+      EXPECT_EQ(float_bits(again.kl), float_bits(det.kl)) << "deterministic kl differs in run " << run;
+    }
   }
+  {
+    gputest::ScopedEnv dq_env("FLASHMSA_DET_DQ", "query");
+    det_query = run_gpu(d, st, true);
+  }
+  compare(det_query, cpu, "det per-head tiles, query-major dq");
+  expect_close(det, det_query, "det token rows vs det query-major dq");
 }
 
 TEST(CudaBackward, TokenRowsGroupOf8) {

@@ -188,6 +188,17 @@ __device__ __forceinline__ void wb_bulk_reduce_if(bool ok, float* dst, uint32_t 
       : "memory");
 }
 
+// The same for int64 fixed-point rows (two's complement: .u64 addition is the signed one):
+// integer adds commute, so the deterministic form's sums do not depend on the order.
+__device__ __forceinline__ void wb_bulk_reduce_u64_if(bool ok, long long* dst, uint32_t src_smem, uint32_t bytes) {
+  const uint64_t gaddr = static_cast<uint64_t>(__cvta_generic_to_global(dst));
+  asm volatile(
+      "{\n.reg .pred q;\nsetp.ne.b32 q, %2, 0;\n"
+      "@q cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u64 [%0], [%1], %3;\n}\n" ::"l"(gaddr),
+      "r"(src_smem), "r"(ok ? 1 : 0), "r"(bytes)
+      : "memory");
+}
+
 // Token-row layout (RM > 0, see the kernel): a head step's 64 rows are 64/RM tokens x their RM
 // heads, so the RM heads of a token are RM columns of S^T / P^T. The teacher sum of each (key,
 // token) is complete within the step: this thread's partial sums over its columns, reduced over
@@ -270,10 +281,15 @@ __device__ __forceinline__ void ss_tokens_by_keys(float (&acc)[32], uint32_t ds_
 // softmax runs under the other's product. Same loop as the full kernel, its extra work cut out
 // by `if constexpr` (the full instantiation compiles to the same PTX as before KL_ONLY existed;
 // helpers factored out of the loop did not: inlining renumbered its registers).
-// DET = true (deterministic mode, top_k <= 32): the full backward without dQ (dq_acc is not read;
-// the query-major dq_kernel writes dq), dqp / dkp as int64 fixed point with the factors fx[3],
-// fx[4]. Its head step retires dV / dK, releases the stage and issues the next step's S^T at
-// the same single call site as the full kernel, with nothing to wait for behind it.
+// DET = true (deterministic mode, top_k <= 32), per-head tiles (RM = 0): the full backward without
+// dQ (dq_acc is not read; the query-major dq_kernel writes dq), dqp / dkp as int64 fixed point with
+// the factors fx[3], fx[4]. Its head step retires dV / dK, releases the stage and issues the next
+// step's S^T at the same single call site as the full kernel, with nothing to wait for behind it.
+// DET with token rows (RM > 0) computes dQ as the fast form does, times the fixed-point factor
+// fx[0], and stages it as int64 in two passes of 32 columns (a pass's token region has the fp32
+// region's size), each token's RM rows one bulk reduce-add (.add.u64) per pass into dq_acc read
+// as int64 [T][2 passes][H][2 WGs][32] with the fast form's column-group swizzle
+// (convert_acc_kernel's layout 2 undoes both); its dqp stays on the fixed-point atomics.
 // SHARED_KV = true (G = Hp/Hkv > 1 groups per kv head): the same loop; the epilogue adds dK, dV
 // into dk_acc / dv_acc instead of storing them. A template flag, not a runtime branch: the G = 1
 // instantiations run at the 240-register limit and must compile exactly as before. KL_ONLY needs
@@ -287,7 +303,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     const float* __restrict__ lse, // [H, T]
     const float* __restrict__ di,  // [T, H] rowsum(dO * O)
     Index ix, int H, int Hkv, int Hp, float scale,
-    float* __restrict__ dq_acc,    // [T, H, 128] fp32 (not read with KL_ONLY or DET)
+    float* __restrict__ dq_acc,    // [T, H, 128] fp32; DET: int64 [T, 2, H, 64] with RM > 0, else unused
     bf16* __restrict__ dk,         // [T, Hkv, 128] (owned: this CTA is the only writer of its rows)
     bf16* __restrict__ dv,         // [T, Hkv, 128]
     FoldArgs fa,                   // with DET, dqp_acc / dkp_acc are int64 accumulators
@@ -568,7 +584,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
           wgmma_rs_bf16<128, 1>(dK, da[kk], wgmma_desc_sw128_mn(q_st + kk * 16 * 128, L::kTokSlab), 1);
         wgmma_commit();
 
-        if constexpr (!DET) {
+        if constexpr (!DET || RM > 0) {
           // dS^T into the shared tile for dQ, which needs all 128 keys (both WGs' halves). DsFree:
           // each WG waited for its previous dQ / dqp product before staging its rows.
           bar_sync(kBarDsFree, L::kConsumers);
@@ -680,7 +696,10 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     }
     // The stage (Q / Qp, dO, metadata) is no longer read: dQ / dqp read the dS tile and K / Kp.
     // The fast full kernel releases it later: its dQ / dqp rows are staged in it.
-    if constexpr (KL_ONLY || DET) ::cuda::ptx::mbarrier_arrive(empty + st);
+    if constexpr (KL_ONLY || (DET && RM == 0)) ::cuda::ptx::mbarrier_arrive(empty + st);
+    else if constexpr (DET) {
+      if (!head) ::cuda::ptx::mbarrier_arrive(empty + st);  // token rows: dqp leaves by atomics
+    }
 
     if constexpr (KL_ONLY) {
       // No dQ / dqp: the next step's first product at once.
@@ -695,29 +714,41 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     // accumulator in flight ptxas spills and serialises the wgmmas (C7512). One S^T per tile
     // loses its overlap.
     float dq[32];
-    if (!DET || !head) {
+    if (!DET || RM > 0 || !head) {
       wgmma_fence();
       ss_tokens_by_keys(dq, ds_base, head ? k_base : kp_base, cw);
       wgmma_commit();
     }
-    if constexpr (DET) {
+    // dqp's fixed-point atomics (DET): the per-head form runs them before the next S^T is issued;
+    // the token-row form after it, at the fast form's single wait, so that every step retires its
+    // dQ / dqp product at the same point (two waits on two paths made ptxas serialise, C7514).
+    auto dqp_fixed_point = [&]() {
+      const float fx_qp = __ldg(fx + 3);
+      const int64_t at_lo = (static_cast<int64_t>(t_lo < 0 ? 0 : t_lo) * Hp + p) * D + 64 * cw + 2 * c4;
+      const int64_t at_hi = (static_cast<int64_t>(t_hi < 0 ? 0 : t_hi) * Hp + p) * D + 64 * cw + 2 * c4;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        wb_fx_tile(fa.dqp_acc, at_lo + 8 * j, at_hi + 8 * j, t_lo >= 0, t_hi >= 0, dq[4 * j] * fa.scale_p,
+                   dq[4 * j + 1] * fa.scale_p, dq[4 * j + 2] * fa.scale_p, dq[4 * j + 3] * fa.scale_p, fx_qp);
+    };
+    if constexpr (DET && RM == 0) {
       if (!head) {
         wgmma_wait<0>();  // dqp done
         wgmma_fence_operands(dq);
-        const float fx_qp = __ldg(fx + 3);
-        const int64_t at_lo = (static_cast<int64_t>(t_lo < 0 ? 0 : t_lo) * Hp + p) * D + 64 * cw + 2 * c4;
-        const int64_t at_hi = (static_cast<int64_t>(t_hi < 0 ? 0 : t_hi) * Hp + p) * D + 64 * cw + 2 * c4;
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-          wb_fx_tile(fa.dqp_acc, at_lo + 8 * j, at_hi + 8 * j, t_lo >= 0, t_hi >= 0, dq[4 * j] * fa.scale_p,
-                     dq[4 * j + 1] * fa.scale_p, dq[4 * j + 2] * fa.scale_p, dq[4 * j + 3] * fa.scale_p, fx_qp);
+        dqp_fixed_point();
       }
     }
     wait_full(s + 1);
     issue_first(s + 1);
-    if constexpr (DET) continue;  // S^T of step s+1 stays in flight into the next step
+    if constexpr (DET && RM == 0) continue;  // S^T of step s+1 stays in flight into the next step
     wgmma_wait<1>();  // dQ / dqp done
     wgmma_fence_operands(dq);
+    if constexpr (DET) {
+      if (!head) {  // token rows: dqp by fixed-point atomics; only head steps stage (int64 dQ)
+        dqp_fixed_point();
+        continue;
+      }
+    }
     // dQ / dqp leave through the stage they were computed from: each WG's 64 x 64 fp32 block is
     // stored to shared memory and every token row (256 bytes) bulk reduce-added into the fp32
     // accumulator by one thread (cp.reduce.async.bulk), instead of 8 per-thread 16-byte REDs
@@ -725,7 +756,46 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     // ~40% of the consumers' stall samples). The stage's Q and dO are dead once BOTH WGs have
     // retired the products that read them (dK / dV, or dkp): StageDead.
     bar_sync(kBarStageDead, L::kConsumers);
-    {
+    if constexpr (DET) {
+      // Token rows, head step (proxy steps went on above): dQ times scale and the fixed-point
+      // factor, as int64, in two passes of 32 columns. Row (token k, head h) of pass `pass` at
+      // region(k) + h * 512 + 256 cw, its 32-byte column groups g (4 int64) at g ^ (h & 7), as the
+      // fast form's fp32 rows; one bulk reduce-add of RM x 512 bytes per token and pass into
+      // dq_acc read as int64 [T][2][H][64]. The second pass overwrites the region once the
+      // first pass's bulk reads are done.
+      constexpr int kRm = RM > 0 ? RM : 1, kNt = kTileTok / kRm;
+      const float f = scale * __ldg(fx);
+      auto token_region = [&](int k) {
+        return smem + (k < 32 / kRm ? L::oQ + k * kRm * 512 : L::odO + (k - 32 / kRm) * kRm * 512) + st * L::kTokTile;
+      };
+      const int perm = (trow % kRm) & 7;
+      unsigned char* const row_lo = token_region(trow / kRm) + (trow % kRm) * 512 + 256 * cw;
+      unsigned char* const row_hi = token_region((trow + 8) / kRm) + ((trow + 8) % kRm) * 512 + 256 * cw;
+      const int r = ct & (kTileTok - 1);
+      const int t = tm.tok[(r % kNt) * kRm];
+      long long* const dst = reinterpret_cast<long long*>(dq_acc) + (static_cast<int64_t>(max(t, 0)) * 2 * H + p * m) * 64;
+#pragma unroll
+      for (int pass = 0; pass < 2; ++pass) {
+        if (pass == 1) {
+          bulk_wait_group_read<0>();  // pass 0's rows have been read (issuing threads)
+          bar_sync(kBarStaged, L::kConsumers);
+        }
+#pragma unroll
+        for (int jl = 0; jl < 4; ++jl) {
+          const int j = 4 * pass + jl;
+          const int off = 32 * ((2 * jl + (c4 >> 1)) ^ perm) + 16 * (c4 & 1);
+          *reinterpret_cast<longlong2*>(row_lo + off) =
+              make_longlong2(__float2ll_rn(dq[4 * j] * f), __float2ll_rn(dq[4 * j + 1] * f));
+          *reinterpret_cast<longlong2*>(row_hi + off) =
+              make_longlong2(__float2ll_rn(dq[4 * j + 2] * f), __float2ll_rn(dq[4 * j + 3] * f));
+        }
+        fence_proxy_async_shared();  // generic stores of the staging before the async-proxy reads
+        bar_sync(kBarStaged, L::kConsumers);
+        wb_bulk_reduce_u64_if(ct < kNt && t >= 0, dst + pass * H * 64, smem_u32(token_region(r % kNt)), kRm * 512);
+        bulk_commit_group();
+      }
+      bulk_wait_group_read<0>();  // the staging (= the stage) is free again
+    } else {
       const float f = head ? scale : fa.scale_p;
       // Token rows (RM > 0) at a head step: row (token k, head h) of both WGs at
       // region(k) + h * 512 + 256 cw, where region(k) is token k's RM x 512 bytes (its dq rows, which
@@ -778,7 +848,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   }
   wgmma_wait<0>();  // the dropped product after the last step: no wgmma outlives the loop
   wgmma_fence_operands(s1);
-  if constexpr (!KL_ONLY && !DET) bulk_wait_group<0>();  // every dQ reduce-add has landed
+  if constexpr (!KL_ONLY && (!DET || RM > 0)) bulk_wait_group<0>();  // every dQ reduce-add has landed
 
   if constexpr (SHARED_KV) {
     // This group's share of dk, dv. Rows past the sequence end belong to another sequence:

@@ -143,19 +143,25 @@ __global__ void fixed_point_kernel(const unsigned int* __restrict__ amax_bits,  
 
 // ---- outputs ----------------------------------------------------------------------------------
 
-// permuted: acc is [T, H, 128] fp32 with H % 8 == 0 (so head & 7 == row & 7), and the wgmma
-// backward's token-row staging (RM > 0) stored each row's 32-byte column group j of either
-// 64-column half at j ^ (head & 7).
+// The wgmma backward's token-row staging (RM > 0) leaves its dq accumulator permuted; out is
+// [T, H, 128] with H % 8 == 0 (so head & 7 == row & 7). Layout 1 (fast form, fp32 [T, H, 128]):
+// each row's 32-byte column group j of either 64-column half at j ^ (head & 7). Layout 2 (DET form,
+// int64 [T][2 passes][H][2 WGs][32]): column c = 64 w + 32 pass + l, its 32-byte group l / 4 of
+// the WG's pass at (l / 4) ^ (head & 7).
 __global__ void convert_acc_kernel(const void* __restrict__ acc,  // [n] fp32, or int64 when fx
                                    int64_t n, const float* __restrict__ fx,  // factor or null
                                    bf16* __restrict__ out,                    // [n]
-                                   bool permuted = false) {
+                                   int layout = 0, int H = 0) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     int64_t at = i;
-    if (permuted) {
-      const int c = static_cast<int>(i & 127), h7 = static_cast<int>((i >> 7) & 7);
+    const int c = static_cast<int>(i & 127), h7 = static_cast<int>((i >> 7) & 7);
+    if (layout == 1) {
       at = (i & ~int64_t{127}) + (c & 64) + ((((c >> 3) & 7) ^ h7) << 3) + (c & 7);
+    } else if (layout == 2) {
+      const int64_t th = i >> 7, t = th / H, h = th - t * H;
+      const int l = c & 31;
+      at = ((t * 2 + ((c >> 5) & 1)) * H + h) * 64 + (c >> 6) * 32 + ((((l >> 2) ^ h7) << 2) | (l & 3));
     }
     const float x = fx ? static_cast<float>(
                              static_cast<double>(reinterpret_cast<const long long*>(acc)[at]) /
@@ -186,6 +192,13 @@ bool backward_path_forces_mma() {
 // =1 makes it an error when the token-row tiles do not take a problem (tests). Read per call.
 bool backward_rows_env(const char* value) {
   const char* v = std::getenv("FLASHMSA_BWD_ROWS");
+  return v != nullptr && std::strcmp(v, value) == 0;
+}
+// FLASHMSA_DET_DQ=query keeps deterministic mode's dq on the query-major kernel where the
+// token-row DET form would compute it as int64 (A/B timing); =kv makes it an error when that form
+// does not take the problem (tests). Read per call.
+bool det_dq_env(const char* value) {
+  const char* v = std::getenv("FLASHMSA_DET_DQ");
   return v != nullptr && std::strcmp(v, value) == 0;
 }
 bool backward_path_requires_wgmma() {
@@ -302,12 +315,14 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
     // G = Hp/Hkv >= 1 whole proxy groups per kv head (wgmma_kv_applies). G = 1: dk/dv owned
     // (main_owned), stored as bf16. G > 1: its SHARED_KV form adds them into dk_acc / dv_acc, the
     // accumulators planned for the non-owned case (fp32, or int64 with fx), converted below.
-    // Fast mode: fp32 atomics (fx == nullptr, dq_acc exists). Deterministic mode only when dq is
+    // Fast mode: fp32 atomics (fx == nullptr, dq_acc exists). Deterministic mode when dq is
     // query-major (top_k <= 32, dq_acc == nullptr): its DET form has no dQ and takes dqp / dkp
-    // (and SHARED_KV's dk / dv) in int64 fixed point; with a dq accumulator (K > 32) the mma.sync
-    // kernel keeps dq.
+    // (and SHARED_KV's dk / dv) in int64 fixed point; or with token rows, where the DET form also
+    // stages dq as int64 (dq_acc int64 [T, 2, H, 64]); with a dq accumulator otherwise (K > 32)
+    // the mma.sync kernel keeps dq.
     if constexpr (D == 128) {
-      const bool fast = fx == nullptr && dq_acc != nullptr, det = fx != nullptr && dq_acc == nullptr;
+      // det: no dq here (query-major), or the token-row DET form's int64 dq.
+      const bool fast = fx == nullptr && dq_acc != nullptr, det = fx != nullptr && (dq_acc == nullptr || token_rows > 0);
       if (wgmma_kv_applies(p) && (fast || det)) {
         const bool shared_kv = p.Hp > p.Hkv;  // G > 1: dk_acc / dv_acc exist (!main_owned)
         auto launch_wgmma = [&](auto kernel) {
@@ -441,13 +456,26 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   const bool dkp_in_acc = !kl_owned || fold;
   const bool det = p.deterministic;
   const size_t acc_elem = det ? 8 : 4;
-  // dq_kernel reads a token's selection one entry per lane; the dense warm-up's all-blocks
-  // index (K > 32) keeps dq on the fixed-point path.
-  const bool dq_query_major = det && K <= 32;
+  // The token-row tiles (RM, backward_wgmma.cuh): the wgmma backward with groups of 8 or 16 heads,
+  // one group per kv head (G = 1).
+  const bool rows_shape =
+      fold && p.D == 128 && wgmma_kv_applies(p) && p.Hp == p.Hkv && (m == 8 || m == 16) && !backward_rows_env("0");
+  // Deterministic mode's dq: on those tiles the DET form computes it KV-major as int64 fixed point
+  // (bulk .add.u64 of staged rows, order-independent), in a 4 x size(q) accumulator, capped at
+  // 16 GiB (a function of the shapes only, so a run's path and bits never depend on free memory);
+  // else the query-major dq_kernel (reads a token's selection one entry per lane: K <= 32). The
+  // dense warm-up's all-blocks index (K > 32) keeps dq on the fixed-point atomics.
+  const bool dq_kv_int64 =
+      det && rows_shape && K <= 32 && T * p.H * p.D * 8 <= (int64_t{16} << 30) && !det_dq_env("query");
+  if (det_dq_env("kv") && det && !dq_kv_int64)
+    throw Error("flashmsa: fused_backward: FLASHMSA_DET_DQ=kv, but the token-row DET form does not take this "
+                "problem (argument 'q': groups of 8 or 16 heads, one per kv head, D = 128, int64 dq <= 16 GiB)");
+  const bool dq_query_major = det && K <= 32 && !dq_kv_int64;
   // FLASHMSA_BACKWARD_PATH=wgmma: an error (before anything is allocated or written) unless the
   // wgmma kernel takes this problem -- how tests prove which kernel ran, since on small grids
   // both kernels can give the same bits.
-  const bool takes_wgmma = fold && p.D == 128 && wgmma_kv_applies(p) && (!det || dq_query_major);
+  const bool takes_wgmma =
+      fold && p.D == 128 && wgmma_kv_applies(p) && (!det || dq_query_major || dq_kv_int64);
   // The wgmma kernel's dk/dv form follows G = Hp/Hkv; the plan's ownership must agree with it.
   if (takes_wgmma && (p.Hp > p.Hkv) == main_owned)
     throw Error("flashmsa: fused_backward: internal error: wgmma dk/dv ownership does not match the plan");
@@ -456,10 +484,10 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
                 "this problem (argument 'q': D = Dv = Dp = 128, whole proxy groups of >= 2 heads per kv head, "
                 "top_k <= 32 in deterministic mode)");
   const HeadItems dq_items = dq_query_major ? make_items(p, "fused_backward") : HeadItems{};
-  // The fast wgmma form with token-row tiles (groups of 8 or 16 heads, G = 1): its dq accumulator
-  // rows come with permuted column groups (convert_acc_kernel's perm_heads).
-  // (Deterministic mode too: there the wgmma kernel computes no dq, so only the tiles change.)
-  const int token_rows = takes_wgmma && p.Hp == p.Hkv && (m == 8 || m == 16) && !backward_rows_env("0") ? m : 0;
+  // The fast and deterministic wgmma forms with token-row tiles: their dq accumulator rows come
+  // permuted (convert_acc_kernel's layouts 1 and 2). Deterministic mode takes them only with the
+  // int64 dq (FLASHMSA_DET_DQ=query: the per-head DET form and the query-major dq).
+  const int token_rows = takes_wgmma && rows_shape && (!det || dq_kv_int64) ? m : 0;
   if (backward_rows_env("1") && token_rows == 0)
     throw Error("flashmsa: fused_backward: FLASHMSA_BWD_ROWS=1, but the token-row backward does not take this "
                 "problem (argument 'q': the wgmma backward with groups of 8 or 16 heads, one group per kv head)");
@@ -535,12 +563,12 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   else run(std::integral_constant<int, 128>{});
 
   // ---- outputs ----
-  auto convert = [&](const void* acc, int64_t n, int fx_index, void* out, bool permuted = false) {
+  auto convert = [&](const void* acc, int64_t n, int fx_index, void* out, int layout = 0) {
     convert_acc_kernel<<<grid_for(n, 256), 256, 0, stream>>>(acc, n, fx ? fx + fx_index : nullptr,
-                                                             static_cast<bf16*>(out), permuted);
+                                                             static_cast<bf16*>(out), layout, p.H);
     FLASHMSA_CHECK_LAUNCH();
   };
-  if (!dq_query_major) convert(dq_acc, n_dq, 0, p.dq, token_rows > 0);  // (det + token rows: dq is query-major)
+  if (!dq_query_major) convert(dq_acc, n_dq, 0, p.dq, token_rows == 0 ? 0 : det ? 2 : 1);
   convert(ws.at<void>(o_dqp), n_dqp, 3, p.dqp);
   if (!main_owned) {
     convert(dk_acc, n_dk, 1, p.dk);
