@@ -343,7 +343,8 @@ TEST(CudaBackward, DeterministicDqMatchesFastDq) {
 }
 
 // Deterministic mode on the wgmma kernel's shapes (Hkv = Hp, D = 128, K <= 32) runs its DET form
-// (no dQ, dqp / dkp in int64 fixed point) beside the query-major dq: it must agree with the fast
+// (dqp / dkp in int64 fixed point; groups of 8 / 16 heads: token rows with dq staged as int64, else
+// no dQ beside the query-major dq): it must agree with the fast
 // mode (fp32 atomics) and with the CPU, and give the same bits, all five gradients and kl, every run.
 void check_deterministic_wgmma(const Shape& s, uint64_t seed, float kl_grad) {
   Setup st;

@@ -25,16 +25,17 @@
 //     two 64-column halves -> atomics), dqp = dS_p Kp via the shared dS tile -> staged as dQ.
 //     Software pipelined by one product: step s+1's S^T (or S_p^T) is issued right behind step
 //     s's dQ (dqp) and runs under step s's staging; the stage is released (empty) once the bulk
-//     reduce-adds have read the staged rows (KL_ONLY and DET, which stage nothing: as soon as
-//     dV/dK (dkp) are done).
+//     reduce-adds have read the staged rows (KL_ONLY and the per-head DET form, which stage
+//     nothing, and DET proxy steps: as soon as dV/dK (dkp) are done).
 //   End: dK (times scale), dV to bf16 in dk/dv (SHARED_KV: added into dk_acc / dv_acc with 16-byte
 //   fp32 REDs, or int64 fixed-point ones with DET); the block's KL share into kl_part in a fixed order.
 // KL_ONLY (the forward's KL value, launch_kl_value in fused_backward.cu): only S^T, P^T, the
 // teacher sum and the KL terms of the above, K, Kp and Q / Qp loaded, no atomics at all.
-// DET (deterministic mode with top_k <= 32): no dQ at all (the query-major dq_kernel computes it
-// without atomics), so a head step neither writes the dS tile nor joins its two barriers, and
-// dqp / dkp go out as int64 fixed-point atomics (integer adds commute: the sums do not depend on
-// the atomics' order). dK, dV (owned) and the KL share have a fixed order already; SHARED_KV's
+// DET (deterministic mode with top_k <= 32), per-head tiles: no dQ at all (the query-major
+// dq_kernel computes it without atomics), so a head step neither writes the dS tile nor joins its
+// two barriers; with token rows: dQ staged as int64 fixed point (see below the kernel's template
+// comment). dqp / dkp go out as int64 fixed-point atomics (integer adds commute: the sums do not
+// depend on the atomics' order). dK, dV (owned) and the KL share have a fixed order already; SHARED_KV's
 // dK, dV go out as fixed point too (factors fx[1], fx[2]).
 //
 // Operand orientation (every tile bf16, 64-column slabs of R rows x 128 B, 128-byte swizzle):
@@ -709,10 +710,11 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     }
     // dQ[:, 64cw..] = dS K (head step) or dqp[:, 64cw..] = dS_p Kp (proxy step), then the next
     // step's first product, then the atomics under it.
-    // DET: dqp at proxy steps only, and its fixed-point atomics run BEFORE the next step's S^T
-    // is issued: the int64 conversions need more registers than the fp32 REDs, and with S^T's
-    // accumulator in flight ptxas spills and serialises the wgmmas (C7512). One S^T per tile
-    // loses its overlap.
+    // DET, per-head tiles: dqp at proxy steps only, and its fixed-point atomics run BEFORE the
+    // next step's S^T is issued: the int64 conversions need more registers than the fp32 REDs,
+    // and with S^T's accumulator in flight ptxas spilled and serialised the wgmmas (C7512). One
+    // S^T per tile loses its overlap. With token rows (fewer live registers there) they run after
+    // it: compiled without spills or C75xx.
     float dq[32];
     if (!DET || RM > 0 || !head) {
       wgmma_fence();
@@ -764,7 +766,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       // dq_acc read as int64 [T][2][H][64]. The second pass overwrites the region once the
       // first pass's bulk reads are done.
       constexpr int kRm = RM > 0 ? RM : 1, kNt = kTileTok / kRm;
-      const float f = scale * __ldg(fx);
+      const float fx_q = __ldg(fx);  // (dq * scale) * fx_q: fx_q alone may be up to 2^127
       auto token_region = [&](int k) {
         return smem + (k < 32 / kRm ? L::oQ + k * kRm * 512 : L::odO + (k - 32 / kRm) * kRm * 512) + st * L::kTokTile;
       };
@@ -785,9 +787,9 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
           const int j = 4 * pass + jl;
           const int off = 32 * ((2 * jl + (c4 >> 1)) ^ perm) + 16 * (c4 & 1);
           *reinterpret_cast<longlong2*>(row_lo + off) =
-              make_longlong2(__float2ll_rn(dq[4 * j] * f), __float2ll_rn(dq[4 * j + 1] * f));
+              make_longlong2(__float2ll_rn(dq[4 * j] * scale * fx_q), __float2ll_rn(dq[4 * j + 1] * scale * fx_q));
           *reinterpret_cast<longlong2*>(row_hi + off) =
-              make_longlong2(__float2ll_rn(dq[4 * j + 2] * f), __float2ll_rn(dq[4 * j + 3] * f));
+              make_longlong2(__float2ll_rn(dq[4 * j + 2] * scale * fx_q), __float2ll_rn(dq[4 * j + 3] * scale * fx_q));
         }
         fence_proxy_async_shared();  // generic stores of the staging before the async-proxy reads
         bar_sync(kBarStaged, L::kConsumers);

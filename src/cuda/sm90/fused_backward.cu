@@ -12,7 +12,8 @@
 //      group lies inside one kv head, one attn_bwd_kernel (FOLD = true) does both (see the kernels);
 //      when D = 128 (and groups of m >= 2 heads), the wgmma version of that folded kernel does
 //      (backward_wgmma.cuh; FLASHMSA_BACKWARD_PATH=mma forces the old one), in deterministic mode
-//      only with top_k <= 32 (its DET form, beside the query-major dq); with G > 1 groups per kv
+//      only with top_k <= 32 (its DET form: with token rows it computes dq as int64, else beside
+//      the query-major dq); with G > 1 groups per kv
 //      head its SHARED_KV form adds dk/dv into the same accumulators as the mma kernel;
 //   5. accumulators -> bf16, the KL sum -> kl.
 // launch_kl_value (the forward's KL value, kl_value.cuh) runs steps 2, 3 (student lse only) and
@@ -20,8 +21,11 @@
 // Deterministic mode swaps the fp32 atomics for int64 fixed-point ones (see backward_tiles.cuh),
 // with per-tensor power-of-two factors derived on the device from bounds on each gradient. With
 // top_k <= 32 it computes dq instead with the query-major, atomic-free dq_kernel
-// (backward_dq.cu) and attn_bwd_kernel (or the wgmma kernel's DET form) skips dq: dq's int64
-// accumulator, 4x the size of q and the largest one, is not allocated.
+// (backward_dq.cu) and attn_bwd_kernel (or the wgmma kernel's per-head DET form) skips dq: dq's
+// int64 accumulator, 4x the size of q and the largest one, is not allocated; on the token-row
+// shapes (groups of 8 / 16 heads, one per kv head) the wgmma DET form computes dq KV-major into
+// that accumulator instead (bulk int64 reduce-adds: about twice as fast as the dq_kernel), when it
+// is at most 16 GiB.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -194,9 +198,10 @@ bool backward_rows_env(const char* value) {
   const char* v = std::getenv("FLASHMSA_BWD_ROWS");
   return v != nullptr && std::strcmp(v, value) == 0;
 }
-// FLASHMSA_DET_DQ=query keeps deterministic mode's dq on the query-major kernel where the
-// token-row DET form would compute it as int64 (A/B timing); =kv makes it an error when that form
-// does not take the problem (tests). Read per call.
+// FLASHMSA_DET_DQ=query keeps deterministic mode's dq on the query-major kernel (beside the
+// per-head DET form: the token-row DET form always computes dq) where the token-row DET form would
+// compute it as int64 (A/B timing, or 4 x size(q) less workspace); =kv makes it an error when that
+// form does not take the problem (tests). Read per call.
 bool det_dq_env(const char* value) {
   const char* v = std::getenv("FLASHMSA_DET_DQ");
   return v != nullptr && std::strcmp(v, value) == 0;
@@ -469,7 +474,8 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
       det && rows_shape && K <= 32 && T * p.H * p.D * 8 <= (int64_t{16} << 30) && !det_dq_env("query");
   if (det_dq_env("kv") && det && !dq_kv_int64)
     throw Error("flashmsa: fused_backward: FLASHMSA_DET_DQ=kv, but the token-row DET form does not take this "
-                "problem (argument 'q': groups of 8 or 16 heads, one per kv head, D = 128, int64 dq <= 16 GiB)");
+                "problem (argument 'q': groups of 8 or 16 heads, one per kv head, D = 128, top_k <= 32, int64 dq "
+                "<= 16 GiB; not with FLASHMSA_BWD_ROWS=0)");
   const bool dq_query_major = det && K <= 32 && !dq_kv_int64;
   // FLASHMSA_BACKWARD_PATH=wgmma: an error (before anything is allocated or written) unless the
   // wgmma kernel takes this problem -- how tests prove which kernel ran, since on small grids
@@ -490,7 +496,8 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   const int token_rows = takes_wgmma && rows_shape && (!det || dq_kv_int64) ? m : 0;
   if (backward_rows_env("1") && token_rows == 0)
     throw Error("flashmsa: fused_backward: FLASHMSA_BWD_ROWS=1, but the token-row backward does not take this "
-                "problem (argument 'q': the wgmma backward with groups of 8 or 16 heads, one group per kv head)");
+                "problem (argument 'q': the wgmma backward with groups of 8 or 16 heads, one group per kv head; in "
+                "deterministic mode also top_k <= 32, an int64 dq of <= 16 GiB and not FLASHMSA_DET_DQ=query)");
 
   Workspace ws;
   reserve_selection_index(sel, p, ws, stream);
