@@ -342,6 +342,27 @@ TEST(CudaBackward, DeterministicDqMatchesFastDq) {
   check_deterministic_dq(shape(20, 4, 4, 2, 64, 5, {0, 640, 129}), 23);
 }
 
+// FLASHMSA_DET_DQ=kv is an error where the token-row DET form (int64 dq) does not run: groups of
+// 32 heads, and groups of 16 with FLASHMSA_BWD_ROWS=0; and FLASHMSA_BWD_ROWS=1 with
+// FLASHMSA_DET_DQ=query. (A TEST body cannot name Setup: gtest's Test::Setup hides it.)
+void expect_det_dq_env_error(const Shape& s, const char* det_dq, const char* rows) {
+  Setup st;
+  make_setup(st, s, 24, true, 1.f);
+  DeviceSide d;
+  upload(d, st);
+  gputest::ScopedEnv dq_env("FLASHMSA_DET_DQ", det_dq);
+  gputest::ScopedEnv rows_env("FLASHMSA_BWD_ROWS", rows);
+  EXPECT_THROW(run_gpu(d, st, true), flashmsa::Error)
+      << "FLASHMSA_DET_DQ=" << det_dq << " FLASHMSA_BWD_ROWS=" << (rows ? rows : "(unset)");
+}
+
+TEST(CudaBackward, DeterministicDqEnvErrors) {
+  GPUTEST_REQUIRE_DEVICE();
+  expect_det_dq_env_error(shape(32, 1, 1, 1, 128, 8, {300}), "kv", nullptr);
+  expect_det_dq_env_error(shape(16, 1, 1, 1, 128, 8, {300}), "kv", "0");
+  expect_det_dq_env_error(shape(16, 1, 1, 1, 128, 8, {300}), "query", "1");
+}
+
 // Deterministic mode on the wgmma kernel's shapes (Hkv = Hp, D = 128, K <= 32) runs its DET form
 // (dqp / dkp in int64 fixed point; groups of 8 / 16 heads: token rows with dq staged as int64, else
 // no dQ beside the query-major dq): it must agree with the fast
