@@ -694,6 +694,7 @@ void check_deterministic_wgmma_forward(const Shape& s, uint64_t seed) {
   EXPECT_LT(rel_err(det.kl, c.kl), 1e-2) << "deterministic kl vs CPU backend";
   EXPECT_LT(gputest::rel_l2(det.o, fast.o), 1e-2) << "deterministic vs fast o";
   EXPECT_LT(gputest::max_abs_diff(det.lse, fast.lse), 1e-4) << "deterministic vs fast lse";
+  EXPECT_NE(det.o, fast.o) << "deterministic and fast o bitwise equal: the int64 form did not run";
   for (const char* streams : {"1", "3"}) {
     ScopedEnv n("FLASHMSA_FWD_STREAMS", streams);
     ScopedChunk chunk("256");
@@ -702,6 +703,32 @@ void check_deterministic_wgmma_forward(const Shape& s, uint64_t seed) {
     EXPECT_EQ(again.lse, det.lse) << "deterministic lse differs bitwise (streams " << streams << ")";
     EXPECT_EQ(std::memcmp(&again.kl, &det.kl, 4), 0) << "deterministic kl differs (streams " << streams << ")";
   }
+  // Rows without their own block (the caller's block_idx may leave it out): the reference is no
+  // longer a visible score, l may be far below 1 (flagged and recomputed when below 2^-8).
+  std::vector<int32_t> sel_no_own = sel;
+  int64_t removed = 0;
+  for (int p = 0; p < pr.s.Hp; ++p)
+    for (int64_t t = 3; t < pr.T; t += 7) {
+      int b = 0;
+      while (pr.cu[b + 1] <= t) ++b;  // the sequence holding t (empty ones skipped)
+      const int32_t own = static_cast<int32_t>((t - pr.cu[b]) / 128);
+      for (int k = 0; k < pr.s.K; ++k) {
+        int32_t& e = sel_no_own[(p * pr.T + t) * pr.s.K + k];
+        if (e == own) e = -1, ++removed;
+      }
+    }
+  ASSERT_GT(removed, 0);
+  const GpuForward no_own = run_gpu_on(pr, sel_no_own, false, true);
+  CpuForward c2;
+  if (!run_cpu_forward(pr, sel_no_own, c2)) return;
+  EXPECT_LT(gputest::rel_l2(no_own.o, c2.o), 1e-2) << "deterministic o without own blocks vs CPU backend";
+  int64_t bad = 0;
+  for (size_t i = 0; i < no_own.lse.size(); ++i)
+    bad += std::isinf(c2.lse[i]) ? !(std::isinf(no_own.lse[i]) && no_own.lse[i] < 0)
+                                 : !(std::fabs(no_own.lse[i] - c2.lse[i]) < 1e-3);
+  EXPECT_EQ(bad, 0) << "deterministic lse without own blocks differs from the CPU backend";
+  EXPECT_EQ(run_gpu_on(pr, sel_no_own, false, true).o, no_own.o) << "deterministic rerun differs bitwise";
+
   ScopedForwardPath unset(nullptr);
   ScopedEnv query_env("FLASHMSA_DET_FWD", "query");
   const GpuForward qm = run_gpu_on(pr, sel, true, true);

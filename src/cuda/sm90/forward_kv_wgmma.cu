@@ -326,7 +326,9 @@ __global__ void __launch_bounds__(256) kvw_finprep_kernel(
         // A row with nothing (all-padding selection, allowed by the API) or whose every term
         // underflowed (own block not selected and the reference far above the row's maximum):
         // the query-major recompute gives the exact answer (o = 0, lse = -inf when empty).
-        if (!(l >= 0x1p-64f)) overflow[t] = 1;
+        // DET: l's fixed-point quantum is ~2^-30, so a row far below its reference (own block
+        // not selected) would lose digits long before 2^-64; with the own block l is ~1 or more.
+        if (!(l >= (DET ? 0x1p-8f : 0x1p-64f))) overflow[t] = 1;
       }
     }
     __syncwarp();  // every lane has read mref[R] and acc_l[R] before lane 0 rewrites them
@@ -1073,6 +1075,9 @@ bool kv_wgmma_forward_applies(const MsaParams& p) {
 void launch_kv_wgmma_forward(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
   const int m = p.H / p.Hp;
   if (p.deterministic) {
+    if (m != 8 && m != 16)
+      throw Error("flashmsa: sparse_attention_forward: internal error: the deterministic KV-major forward "
+                  "takes groups of 8 or 16 heads only");
     if (m == 8) run_kvw<8, true>(p, overflow, stream);
     else run_kvw<16, true>(p, overflow, stream);
     return;

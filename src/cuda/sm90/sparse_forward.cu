@@ -647,7 +647,7 @@ void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
   // Path choice, read on every call (so a benchmark can flip it between runs):
   // FLASHMSA_FORWARD_PATH=query forces this kernel, =kv the mma.sync KV-major one (forward_kv.cu)
   // where it applies, =wgmma the wgmma KV-major one (forward_kv_wgmma.cu; an error where it does
-  // not apply, so tests know which kernel ran: its sums are not bitwise reproducible). Unset: wgmma
+  // not apply, so tests know which kernel ran: its fast form's sums are not bitwise reproducible). Unset: wgmma
   // KV-major where it applies and the KL value (if asked for) can be formed KV-major after it
   // (launch_kl_value); else mma KV-major for groups of fewer than 16 heads; else this kernel.
   // m < 16: this kernel fills only m of its 16 MMA rows and streams a token's 16 blocks (1 MB) per
