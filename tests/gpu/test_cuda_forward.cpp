@@ -238,11 +238,12 @@ std::vector<int32_t> random_selection(const Problem& pr, uint64_t seed) {
 }
 
 // sparse_attention_forward on the device over a given selection, outputs poisoned first.
-GpuForward run_gpu_on(const Problem& pr, const std::vector<int32_t>& sel, bool with_kl) {
+GpuForward run_gpu_on(const Problem& pr, const std::vector<int32_t>& sel, bool with_kl, bool det = false) {
   DeviceForward d(pr);
   d.sel.upload(sel);
-  flashmsa::sparse_attention_forward(pr.device_inputs(), d.sel_v(), pr.options(), d.o_v(), d.lse_v(),
-                                     d.kl_v(with_kl));
+  auto opt = pr.options();
+  opt.deterministic = det;
+  flashmsa::sparse_attention_forward(pr.device_inputs(), d.sel_v(), opt, d.o_v(), d.lse_v(), d.kl_v(with_kl));
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   GpuForward r = d.take();
   r.sel = sel;
@@ -371,8 +372,9 @@ TEST(CudaForward, KvMajorWithoutKlAndEmpty) {
   EXPECT_EQ(e.kl, 0.f);
 }
 
-// Deterministic mode at the M3 group shape takes the query-major kernel: reruns are bitwise
-// identical, and its results agree with the (atomic) KV-major path within the tolerances.
+// Deterministic mode at the M3 group shape with FLASHMSA_FORWARD_PATH=kv (the mma.sync KV-major
+// kernel has no deterministic form) takes the query-major kernel: reruns are bitwise identical,
+// and its results agree with the (atomic) KV-major path within the tolerances.
 TEST(CudaForward, KvMajorDeterministicFallback) {
   GPUTEST_REQUIRE_DEVICE();
   ForceKvPath kv;
@@ -599,7 +601,7 @@ TEST(CudaForward, WgmmaKvSmallGroups) {
 // pairs) has q scaled by 64 (exact in bf16): scores of order 150 above the diagonal, far past the
 // 2^64 guard and past fp32's range had the row not been flagged (o would be inf or NaN). The test
 // first checks on the host that its inputs contain enough such tokens and enough plain ones.
-void check_overflow_recomputed(const Shape& sh, uint64_t seed) {
+void check_overflow_recomputed(const Shape& sh, uint64_t seed, bool det = false) {
   ScopedForwardPath path("wgmma");
   ScopedChunk chunk("512");
   Problem pr;
@@ -644,7 +646,7 @@ void check_overflow_recomputed(const Shape& sh, uint64_t seed) {
     ScopedForwardPath query("query");
     sel = run_gpu(pr).sel;
   }
-  const GpuForward g = run_gpu_on(pr, sel, /*with_kl=*/false);
+  const GpuForward g = run_gpu_on(pr, sel, /*with_kl=*/false, det);
   if (::testing::Test::HasFatalFailure()) return;
   ASSERT_EQ(gputest::count_nonfinite(g.o), 0) << "o has unwritten or overflowed elements";
   ASSERT_EQ(gputest::count_nonfinite(g.lse), 0) << "lse has unwritten or overflowed elements";
@@ -652,12 +654,93 @@ void check_overflow_recomputed(const Shape& sh, uint64_t seed) {
   if (!run_cpu_forward(pr, sel, c)) return;
   EXPECT_LT(gputest::rel_l2(g.o, c.o), 1e-2) << "o rel L2 vs CPU backend";
   EXPECT_LT(gputest::max_abs_diff(g.lse, c.lse), 1e-3) << "lse max abs vs CPU backend";
+  if (det) {
+    const GpuForward again = run_gpu_on(pr, sel, /*with_kl=*/false, det);
+    EXPECT_EQ(again.o, g.o) << "deterministic o differs bitwise on a rerun";
+    EXPECT_EQ(again.lse, g.lse) << "deterministic lse differs bitwise on a rerun";
+  }
 }
 
 TEST(CudaForward, WgmmaKvOverflowRowsRecomputed) {
   GPUTEST_REQUIRE_DEVICE();
   check_overflow_recomputed(shape(32, 2, 2, 1, 128, 8, {1900, 700}), 148);  // m = 16
   check_overflow_recomputed(shape(16, 2, 4, 1, 128, 8, {1900, 700}), 153);  // m = 4
+  // The deterministic (int64) form flags rows 2^20 above the reference: the same inputs.
+  check_overflow_recomputed(shape(32, 2, 2, 1, 128, 8, {1900, 700}), 148, /*det=*/true);
+}
+
+// Deterministic mode on the wgmma KV-major forward (int64 fixed-point accumulators, groups of 8
+// or 16 heads): against the CPU backend and the fast (fp32) form, bitwise identical over reruns
+// (also with small chunks and one or three streams, whose order of reduce-adds differs), and
+// FLASHMSA_DET_FWD=query (the query-major kernel) within the tolerances.
+void check_deterministic_wgmma_forward(const Shape& s, uint64_t seed) {
+  Problem pr;
+  gputest::make_problem(pr, s, seed);
+  std::vector<int32_t> sel;
+  {
+    ScopedForwardPath query("query");
+    sel = run_gpu(pr).sel;
+  }
+  ScopedForwardPath path("wgmma");  // an error unless the wgmma kernel takes the problem
+  const GpuForward fast = run_gpu_on(pr, sel, true, false);
+  const GpuForward det = run_gpu_on(pr, sel, true, true);
+  if (::testing::Test::HasFatalFailure()) return;
+  ASSERT_EQ(gputest::count_nonfinite(det.o), 0) << "deterministic o has unwritten (NaN) elements";
+  ASSERT_EQ(gputest::count_nonfinite(det.lse), 0) << "deterministic lse has unwritten (NaN) elements";
+  CpuForward c;
+  if (!run_cpu_forward(pr, sel, c)) return;
+  EXPECT_LT(gputest::rel_l2(det.o, c.o), 1e-2) << "deterministic o rel L2 vs CPU backend";
+  EXPECT_LT(gputest::max_abs_diff(det.lse, c.lse), 1e-3) << "deterministic lse vs CPU backend";
+  EXPECT_LT(rel_err(det.kl, c.kl), 1e-2) << "deterministic kl vs CPU backend";
+  EXPECT_LT(gputest::rel_l2(det.o, fast.o), 1e-2) << "deterministic vs fast o";
+  EXPECT_LT(gputest::max_abs_diff(det.lse, fast.lse), 1e-4) << "deterministic vs fast lse";
+  EXPECT_NE(det.o, fast.o) << "deterministic and fast o bitwise equal: the int64 form did not run";
+  for (const char* streams : {"1", "3"}) {
+    ScopedEnv n("FLASHMSA_FWD_STREAMS", streams);
+    ScopedChunk chunk("256");
+    const GpuForward again = run_gpu_on(pr, sel, true, true);
+    EXPECT_EQ(again.o, det.o) << "deterministic o differs bitwise (streams " << streams << ", chunk 256)";
+    EXPECT_EQ(again.lse, det.lse) << "deterministic lse differs bitwise (streams " << streams << ")";
+    EXPECT_EQ(std::memcmp(&again.kl, &det.kl, 4), 0) << "deterministic kl differs (streams " << streams << ")";
+  }
+  // Rows without their own block (the caller's block_idx may leave it out): the reference is no
+  // longer a visible score, l may be far below 1 (flagged and recomputed when below 2^-8).
+  std::vector<int32_t> sel_no_own = sel;
+  int64_t removed = 0;
+  for (int p = 0; p < pr.s.Hp; ++p)
+    for (int64_t t = 3; t < pr.T; t += 7) {
+      int b = 0;
+      while (pr.cu[b + 1] <= t) ++b;  // the sequence holding t (empty ones skipped)
+      const int32_t own = static_cast<int32_t>((t - pr.cu[b]) / 128);
+      for (int k = 0; k < pr.s.K; ++k) {
+        int32_t& e = sel_no_own[(p * pr.T + t) * pr.s.K + k];
+        if (e == own) e = -1, ++removed;
+      }
+    }
+  ASSERT_GT(removed, 0);
+  const GpuForward no_own = run_gpu_on(pr, sel_no_own, false, true);
+  CpuForward c2;
+  if (!run_cpu_forward(pr, sel_no_own, c2)) return;
+  EXPECT_LT(gputest::rel_l2(no_own.o, c2.o), 1e-2) << "deterministic o without own blocks vs CPU backend";
+  int64_t bad = 0;
+  for (size_t i = 0; i < no_own.lse.size(); ++i)
+    bad += std::isinf(c2.lse[i]) ? !(std::isinf(no_own.lse[i]) && no_own.lse[i] < 0)
+                                 : !(std::fabs(no_own.lse[i] - c2.lse[i]) < 1e-3);
+  EXPECT_EQ(bad, 0) << "deterministic lse without own blocks differs from the CPU backend";
+  EXPECT_EQ(run_gpu_on(pr, sel_no_own, false, true).o, no_own.o) << "deterministic rerun differs bitwise";
+
+  ScopedForwardPath unset(nullptr);
+  ScopedEnv query_env("FLASHMSA_DET_FWD", "query");
+  const GpuForward qm = run_gpu_on(pr, sel, true, true);
+  EXPECT_NE(qm.lse, det.lse) << "FLASHMSA_DET_FWD=query gave the int64 form's bits: the switch did nothing";
+  EXPECT_LT(gputest::rel_l2(qm.o, det.o), 1e-2) << "query-major vs int64 deterministic o";
+  EXPECT_LT(gputest::max_abs_diff(qm.lse, det.lse), 1e-4) << "query-major vs int64 deterministic lse";
+}
+
+TEST(CudaForward, WgmmaKvDeterministic) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_deterministic_wgmma_forward(shape(64, 4, 4, 1, 128, 16, {1100, 37, 0, 900, 128, 700}), 155);  // m = 16
+  check_deterministic_wgmma_forward(shape(32, 4, 4, 1, 128, 16, {2500, 77, 1100}), 156);                // m = 8
 }
 
 // Selection rows that are all padding (allowed by the API: block_idx is the caller's) give o = 0

@@ -69,7 +69,17 @@
 // and only m = 4 with an odd j would read wrong rows: the GPU test at m = 4 with >= 2 tokens per
 // tile is the decisive check.
 //
-// Not deterministic: the reduce-adds into acc_o / acc_l run in no fixed order.
+// Fast form (DET = false) not deterministic: the fp32 reduce-adds into acc_o / acc_l run in no
+// fixed order. Deterministic form (DET = true, m = 8 or 16): the same products, but each tile's
+// O and l leave as int64 fixed point (round(x * F), F = fx_o / fx_l powers of two from bounds),
+// so the accumulator sums commute and every run gives the same bits. The bounds need a row's
+// terms bounded: a row is flagged (recomputed query-major, itself deterministic) when its best
+// score exceeds the reference by more than 2^20 instead of 2^64, so every kept term P <= 2^20,
+// l <= 2^20 * 32 blocks * 128 keys and |acc_o| <= l * max|v|. O is staged in two passes of 64
+// columns (the fp32 staging tile holds 64 int64 columns), each token's m rows of a pass one bulk
+// .add.u64 of m * 512 bytes into acc_o read as int64 [C][2 passes][m][64] (64-byte chunk j of a
+// row at j ^ (head & 7): conflict-free staging stores), acc_l int64 [C][m]. Twice the fp32 bytes:
+// the chunk holds half the tokens for the same L2 budget.
 //
 // Traffic per 64-row tile (4.2 MFLOP): 16 KB of Q in, 32 KB of fp32 O reduced out (12 KB per
 // (token, group, block) against the query-major 64 KB), plus 64 KB of K/V per work item (~16
@@ -91,11 +101,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <vector>
 
 #include "common/bf16.cuh"
 #include "common/check.cuh"
+#include "common/fixed_point.cuh"
 #include "common/mma.cuh"
 #include "common/selection_index.cuh"
 #include "common/tma.cuh"
@@ -124,6 +136,7 @@ constexpr int kConsumerThreads = 256;
 // past the L2).
 constexpr size_t kAccBudget = size_t{32} << 20;
 constexpr float kOverflowLog2 = 64.f;
+constexpr float kOverflowLog2Det = 20.f;  // deterministic form: bounds the fixed-point range
 
 // Shared-memory plan (byte offsets from the 1024-aligned base).
 constexpr int kKSlab = kBlk * 128;              // one 64-column slab of K or V
@@ -139,10 +152,12 @@ constexpr int oStgL = oStg + 2 * kStgBytes;     // [2][64] fp32 row sums
 constexpr int oList = oStgL + 2 * kRows * 4;    // [2][kMaxItemTok] int32 tokens
 constexpr int oInfo = oList + 2 * kMaxItemTok * 4;  // [2] int2 {first key row, tokens}
 constexpr int oBar = oInfo + 2 * 8;  // full[kStages], empty[kStages], k_full, k_empty, v_full, v_empty
-constexpr int kSmemBytes = oBar + (2 * kStages + 4) * 8;
+constexpr int oStgL64 = oBar + (2 * kStages + 4) * 8;  // [2][64] int64 row sums (deterministic form)
+constexpr int kSmemBytes = oStgL64 + 2 * kRows * 8;
 constexpr int kSmem = kSmemBytes + 1024;        // + alignment slack of the dynamic base
 static_assert(kSmem <= 227 * 1024, "forward_kv_wgmma: shared memory over the sm_90 limit");
-static_assert(oBar % 8 == 0 && oStgL % 16 == 0 && oList % 16 == 0, "alignment of the small buffers");
+static_assert(oBar % 8 == 0 && oStgL % 16 == 0 && oList % 16 == 0 && oStgL64 % 16 == 0,
+              "alignment of the small buffers");
 
 constexpr int kBarStg = 1;  // + consumer warpgroup index: its staging tile's two barriers
 
@@ -257,7 +272,8 @@ __global__ void __launch_bounds__(kPlanThreads) kvw_plan_kernel(
 // Finalize (tok < fin_n): o[t, h] = acc_o / acc_l (bf16), lse[h, t] = (mref + log2 acc_l) ln 2;
 // overflow[t] = 1 where acc_l < 2^-64 (nothing selected, or every term flushed to zero).
 // Prepare (tok < prep_n): mref = scale log2e <q[t, h], k[t, kvh]>, acc_o = acc_l = 0.
-template <int M>
+// DET: acc_o / acc_l are int64 (layout at the top of the file), values times fx[0] / fx[1].
+template <int M, bool DET>
 __global__ void __launch_bounds__(256) kvw_finprep_kernel(
     int fin_c0, int fin_n, int fin_head0,
     int prep_c0, int prep_n, int prep_head0, int prep_kvh,
@@ -269,7 +285,8 @@ __global__ void __launch_bounds__(256) kvw_finprep_kernel(
     float* __restrict__ acc_l,   // [C, M]
     bf16* __restrict__ o,        // [T, H, 128]
     float* __restrict__ lse,     // [H, T]
-    int32_t* __restrict__ overflow) {  // [T]
+    int32_t* __restrict__ overflow,  // [T]
+    const float* __restrict__ fx) {  // DET: [2] fixed-point factors of acc_o, acc_l
   const int lane = threadIdx.x & 31;
   const int rows = max(fin_n, prep_n) * M;
   const int warps = gridDim.x * (blockDim.x >> 5);
@@ -277,9 +294,26 @@ __global__ void __launch_bounds__(256) kvw_finprep_kernel(
     const int tok = R / M, hh = R % M;
     float4* a4 = reinterpret_cast<float4*>(acc_o + static_cast<int64_t>(R) * kD) +
                  ((((lane >> 1) ^ (hh & 3)) << 1) | (lane & 1));
+    // DET: columns 4 lane .. 4 lane + 3 lie in pass lane / 16, 64-byte chunk (lane & 15) / 2 of
+    // the row's pass, stored at chunk ^ (hh & 7); two 16-byte halves.
+    long long* const a64 = reinterpret_cast<long long*>(acc_o) +
+                           ((static_cast<int64_t>(tok) * 2 + (lane >> 4)) * M + hh) * 64 +
+                           (((((lane & 15) >> 1) ^ (hh & 7)) << 3) | ((lane & 1) << 2));
     if (tok < fin_n) {
-      const float4 a = *a4;
-      const float l = acc_l[R], mr = mref[R];
+      float4 a;
+      float l;
+      if constexpr (DET) {
+        const longlong2 x = reinterpret_cast<const longlong2*>(a64)[0];
+        const longlong2 y = reinterpret_cast<const longlong2*>(a64)[1];
+        const float f = 1.f / __ldg(fx);
+        a = make_float4(static_cast<float>(x.x) * f, static_cast<float>(x.y) * f, static_cast<float>(y.x) * f,
+                        static_cast<float>(y.y) * f);
+        l = static_cast<float>(reinterpret_cast<const long long*>(acc_l)[R]) / __ldg(fx + 1);
+      } else {
+        a = *a4;
+        l = acc_l[R];
+      }
+      const float mr = mref[R];
       const int64_t t = static_cast<int64_t>(fin_c0) + tok;
       const int h = fin_head0 + hh;
       const float inv = 1.f / l;
@@ -292,7 +326,9 @@ __global__ void __launch_bounds__(256) kvw_finprep_kernel(
         // A row with nothing (all-padding selection, allowed by the API) or whose every term
         // underflowed (own block not selected and the reference far above the row's maximum):
         // the query-major recompute gives the exact answer (o = 0, lse = -inf when empty).
-        if (!(l >= 0x1p-64f)) overflow[t] = 1;
+        // DET: l's fixed-point quantum is ~2^-30, so a row far below its reference (own block
+        // not selected) would lose digits long before 2^-64; with the own block l is ~1 or more.
+        if (!(l >= (DET ? 0x1p-8f : 0x1p-64f))) overflow[t] = 1;
       }
     }
     __syncwarp();  // every lane has read mref[R] and acc_l[R] before lane 0 rewrites them
@@ -308,10 +344,16 @@ __global__ void __launch_bounds__(256) kvw_finprep_kernel(
       float dot = q0.x * k0.x + q0.y * k0.y + q1.x * k1.x + q1.y * k1.y;
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-      *a4 = make_float4(0.f, 0.f, 0.f, 0.f);
+      if constexpr (DET) {
+        reinterpret_cast<longlong2*>(a64)[0] = make_longlong2(0, 0);
+        reinterpret_cast<longlong2*>(a64)[1] = make_longlong2(0, 0);
+      } else {
+        *a4 = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
       if (lane == 0) {
         mref[R] = dot * scale_log2;
-        acc_l[R] = 0.f;
+        if constexpr (DET) reinterpret_cast<long long*>(acc_l)[R] = 0;
+        else acc_l[R] = 0.f;
       }
     }
   }
@@ -319,7 +361,7 @@ __global__ void __launch_bounds__(256) kvw_finprep_kernel(
 
 // ---- the main kernel ---------------------------------------------------------------------------
 
-template <int M>
+template <int M, bool DET>
 __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
     const __grid_constant__ CUtensorMap q_map,  // q [T, H, 128], box {64 cols, M heads, 1 token}
     const __grid_constant__ CUtensorMap k_map,  // k [T, Hkv, 128], box {64 cols, 1, 128 rows}
@@ -329,12 +371,15 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
     int32_t* __restrict__ counter,              // [1] zero before the launch; next item to take
     const int32_t* __restrict__ vals,           // [Hp*T*K] index entries t*K + slot
     const float* __restrict__ mref,             // [C, M] reference of each row (log2 units)
-    float* __restrict__ acc_o,                  // [C, M, 128] fp32, permuted 8-float chunks
-    float* __restrict__ acc_l,                  // [C, M] fp32
+    float* __restrict__ acc_o,                  // [C, M, 128] fp32, permuted 8-float chunks (DET: int64)
+    float* __restrict__ acc_l,                  // [C, M] fp32 (DET: int64)
     int32_t* __restrict__ overflow,             // [T] set to 1 where a row overflows
-    int K, int c0, int head0, int kvh, float scale_log2) {
+    int K, int c0, int head0, int kvh, float scale_log2,
+    const float* __restrict__ fx) {             // DET: [2] fixed-point factors of acc_o, acc_l
   constexpr int kTok = kRows / M;  // tokens per tile
   static_assert(kRows % M == 0 && M % 4 == 0 && kMaxTiles * kTok <= kMaxItemTok, "group size");
+  static_assert(!DET || M % 8 == 0, "the deterministic form's staging swizzle keys on head & 7 = row & 7");
+  constexpr float kOverflow = DET ? kOverflowLog2Det : kOverflowLog2;
   extern __shared__ __align__(16) unsigned char kvw_smem_raw[];
   // Offset from the shared array (not an integer round trip), so the compiler keeps LDS/STS.
   unsigned char* smem = kvw_smem_raw + ((1024u - (smem_u32(kvw_smem_raw) & 1023u)) & 1023u);
@@ -490,6 +535,52 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
   // O (fp32, this thread's accumulator elements) and the row sums of a finished tile into the
   // warpgroup's staging tile, then each token's reduce-adds into the chunk accumulator.
   auto stage_reduce = [&](const float (&o)[64], const TileRows& tr, float l0, float l1) {
+    if constexpr (DET) {
+      // Two passes of 64 columns as int64 (layout at the top of the file); l with the first.
+      const float fx_o = __ldg(fx), fx_l = __ldg(fx + 1);
+      long long* const stg_l64 = reinterpret_cast<long long*>(smem + oStgL64) + cw * kRows;
+      const uint32_t stg_l64_u32 = smem_u32(stg_l64);
+      unsigned char* const row0 = reinterpret_cast<unsigned char*>(stg) + r0 * 512;
+      unsigned char* const row1 = reinterpret_cast<unsigned char*>(stg) + r1 * 512;
+      const int key = r0 & 7;  // = hh0 & 7 = hh1 & 7 (M is a multiple of 8)
+      long long* const acc_o64 = reinterpret_cast<long long*>(acc_o);
+      long long* const acc_l64 = reinterpret_cast<long long*>(acc_l);
+#pragma unroll
+      for (int pass = 0; pass < 2; ++pass) {
+        // The previous tile's (or this tile's first pass's) reduce-adds must have read the staging.
+        if (issuer) bulk_wait_group_read<0>();
+        bar_sync(kBarStg + cw, 128);
+#pragma unroll
+        for (int jl = 0; jl < 8; ++jl) {
+          const int j = 8 * pass + jl;  // this thread's columns 8j + 2c, +1 (pass-local 8jl + 2c)
+          const int at = (((jl ^ key) << 6) | (c << 4));
+          *reinterpret_cast<longlong2*>(row0 + at) =
+              make_longlong2(__float2ll_rn(o[4 * j] * fx_o), __float2ll_rn(o[4 * j + 1] * fx_o));
+          *reinterpret_cast<longlong2*>(row1 + at) =
+              make_longlong2(__float2ll_rn(o[4 * j + 2] * fx_o), __float2ll_rn(o[4 * j + 3] * fx_o));
+        }
+        if (pass == 0 && c == 0) {
+          stg_l64[r0] = __float2ll_rn(l0 * fx_l);
+          stg_l64[r1] = __float2ll_rn(l1 * fx_l);
+        }
+        fence_proxy_async_shared();  // generic writes of the staging before the async-proxy reads
+        bar_sync(kBarStg + cw, 128);
+        if (issuer) {
+          if (own0 && tr.ok0) {
+            const int64_t row = static_cast<int64_t>(tr.t0 - c0) * M;
+            bulk_reduce_add_u64(acc_o64 + (row * 2 + pass * M) * 64, stg_u32 + r0 * 512, M * 512);
+            if (pass == 0) bulk_reduce_add_u64(acc_l64 + row, stg_l64_u32 + r0 * 8, M * 8);
+          }
+          if (own1 && tr.ok1) {
+            const int64_t row = static_cast<int64_t>(tr.t1 - c0) * M;
+            bulk_reduce_add_u64(acc_o64 + (row * 2 + pass * M) * 64, stg_u32 + r1 * 512, M * 512);
+            if (pass == 0) bulk_reduce_add_u64(acc_l64 + row, stg_l64_u32 + r1 * 8, M * 8);
+          }
+          bulk_commit_group();
+        }
+      }
+      return;
+    }
     // As late as possible: the previous tile's reduce-adds must have finished reading the staging.
     if (issuer) bulk_wait_group_read<0>();
     bar_sync(kBarStg + cw, 128);
@@ -541,8 +632,8 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
       mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
     }
     // Overflow: this thread's part of the row suffices (any quad lane may flag the token).
-    if (tr.ok0 && fmaf(mx0, scale_log2, -tr.mr0) > kOverflowLog2) overflow[tr.t0] = 1;
-    if (tr.ok1 && fmaf(mx1, scale_log2, -tr.mr1) > kOverflowLog2) overflow[tr.t1] = 1;
+    if (tr.ok0 && fmaf(mx0, scale_log2, -tr.mr0) > kOverflow) overflow[tr.t0] = 1;
+    if (tr.ok1 && fmaf(mx1, scale_log2, -tr.mr1) > kOverflow) overflow[tr.t1] = 1;
     l0 = 0.f;
     l1 = 0.f;
 #pragma unroll
@@ -660,8 +751,8 @@ int stream_count() {
 // FLASHMSA_FWD_CHUNK (tokens per chunk and stream; a multiple of 128, >= 128), read per call;
 // anything else (unset, malformed) gives the default: the S concurrent accumulators share
 // kAccBudget, so that all of them stay in L2 together (2048 tokens at m = 16, S = 2).
-int chunk_tokens(int m, int streams) {
-  const size_t per_token = static_cast<size_t>(m) * kD * 4 * static_cast<size_t>(streams);
+int chunk_tokens(int m, int streams, bool det) {
+  const size_t per_token = static_cast<size_t>(m) * kD * (det ? 8 : 4) * static_cast<size_t>(streams);
   const int fallback = std::max(kBlk, static_cast<int>(kAccBudget / per_token / kBlk * kBlk));
   const char* s = std::getenv("FLASHMSA_FWD_CHUNK");
   if (s == nullptr || *s == '\0') return fallback;
@@ -683,17 +774,19 @@ struct KvwPlan {
   size_t o_items = 0, o_counts = 0;           // items [Hp, items_per_group]; n_items, counters [Hp, chunks] each
   size_t o_acc = 0, acc_stride = 0;  // S chunk accumulators {acc_o, acc_l, mref}, acc_stride bytes apart
   size_t d_acc_l = 0, d_mref = 0;    // offsets of acc_l and mref inside one accumulator
+  size_t o_fx = 0;                   // deterministic form: max|v| bits, then fx_o, fx_l
 };
 
 // Sizes and chunk ranges from the host copy of cu_seqlens (O(B + chunks log B) host work).
 KvwPlan plan_kvw(const MsaParams& p, int streams) {
+  const bool det = p.deterministic;  // int64 accumulators (the deterministic form)
   KvwPlan pl;
   pl.sel = selection_index_sizes(p);
   reserve_selection_index(pl.sel, p, pl.ws, nullptr);
   pl.m = p.H / p.Hp;
   pl.tok_per_tile = kRows / pl.m;
   pl.S = std::max(1, std::min(streams, p.Hp));
-  pl.C = chunk_tokens(pl.m, pl.S);
+  pl.C = chunk_tokens(pl.m, pl.S, det);
   pl.Ceff = static_cast<int>(std::min<int64_t>(pl.C, p.T));
   pl.n_chunks = static_cast<int>((p.T + pl.C - 1) / pl.C);
   const int32_t* cu = p.cu_seqlens_host;
@@ -727,7 +820,9 @@ KvwPlan plan_kvw(const MsaParams& p, int streams) {
   pl.o_counts = pl.ws.add(2 * static_cast<size_t>(p.Hp) * pl.n_chunks * sizeof(int32_t));
   // The S chunk accumulators reuse the index's unsorted keys, sorted keys and unsorted values
   // (contiguous, dead once the list offsets are built) when they fit there.
-  const size_t acc_o = static_cast<size_t>(pl.Ceff) * pl.m * kD * 4, acc_row = static_cast<size_t>(pl.Ceff) * pl.m * 4;
+  const size_t elem = det ? 8 : 4;
+  const size_t acc_o = static_cast<size_t>(pl.Ceff) * pl.m * kD * elem,
+               acc_row = static_cast<size_t>(pl.Ceff) * pl.m * elem;
   auto up = [](size_t x) { return (x + 255) / 256 * 256; };
   pl.acc_stride = up(acc_o) + 2 * up(acc_row);
   pl.d_acc_l = up(acc_o);
@@ -738,6 +833,7 @@ KvwPlan plan_kvw(const MsaParams& p, int streams) {
   } else {
     pl.o_acc = pl.ws.add(need);
   }
+  if (det) pl.o_fx = pl.ws.add(4 * sizeof(float));
   return pl;
 }
 
@@ -831,7 +927,15 @@ class StreamFork {
   std::vector<cudaEvent_t> joins_;  // joins_[i] for helpers_[i]
 };
 
-template <int M>
+// The deterministic form's fixed-point factors from max|v| (bits in fx[0]): kept terms
+// P <= 2^kOverflowLog2Det, a row has at most K blocks x 128 keys of them, bf16(P) <= 2 P.
+__global__ void kvw_det_factors_kernel(int K, float* __restrict__ fx) {  // [4]: amax bits, fx_o, fx_l
+  const float l_bound = ldexpf(static_cast<float>(K) * kBlk, static_cast<int>(kOverflowLog2Det));
+  fx[1] = fixed_point_factor(2.f * l_bound * fx[0]);  // fx[0]: non-negative float bits read as a float
+  fx[2] = fixed_point_factor(l_bound);
+}
+
+template <int M, bool DET>
 void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
   // Under a graph capture of the caller's stream the helper streams would join the capture and
   // stay in it until it ends, where another thread's eager work on them would be captured too:
@@ -843,7 +947,7 @@ void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
   const CUtensorMap q_map = make_bf16_head_map(p.q, p.T, p.H, kD, M);
   const CUtensorMap k_map = make_bf16_row_map(p.k, p.T, p.Hkv, kD, kBlk);
   const CUtensorMap v_map = make_bf16_row_map(p.v, p.T, p.Hkv, kD, kBlk);
-  FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kvw_fwd_kernel<M>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kvw_fwd_kernel<M, DET>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   int device = 0;
   FLASHMSA_CUDA_CHECK(cudaGetDevice(&device));
   const int sms = sm_count(device);
@@ -858,6 +962,18 @@ void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
   try {
     build_selection_index(p, pl.sel, ws, stream);
     FLASHMSA_CUDA_CHECK(cudaMemsetAsync(overflow, 0, sizeof(int32_t) * p.T, stream));
+    const float* fx = nullptr;  // DET: {fx_o, fx_l}
+    if constexpr (DET) {
+      float* f = ws.at<float>(pl.o_fx);
+      FLASHMSA_CUDA_CHECK(cudaMemsetAsync(f, 0, sizeof(float), stream));
+      const int64_t n8 = p.T * p.Hkv * kD / 8;
+      absmax_kernel<<<grid_for(n8, 256, 4096), 256, 0, stream>>>(static_cast<const bf16*>(p.v), n8,
+                                                                reinterpret_cast<unsigned int*>(f));
+      FLASHMSA_CHECK_LAUNCH();
+      kvw_det_factors_kernel<<<1, 1, 0, stream>>>(p.top_k, f);
+      FLASHMSA_CHECK_LAUNCH();
+      fx = f + 1;
+    }
     int32_t* n_items = ws.at<int32_t>(pl.o_counts);     // [Hp, chunks]
     int32_t* counters = n_items + p.Hp * pl.n_chunks;   // [Hp, chunks]
     FLASHMSA_CUDA_CHECK(cudaMemsetAsync(counters, 0, sizeof(int32_t) * p.Hp * pl.n_chunks, stream));
@@ -899,9 +1015,9 @@ void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
         const int fin_n = c_f >= 0 ? pl.c1[c_f] - pl.c0[c_f] : 0;
         const int prep_n = c_n >= 0 ? pl.c1[c_n] - pl.c0[c_n] : 0;
         const int64_t rows = static_cast<int64_t>(std::max(fin_n, prep_n)) * M;
-        kvw_finprep_kernel<M><<<grid_for(rows * 32, 256), 256, 0, st>>>(
+        kvw_finprep_kernel<M, DET><<<grid_for(rows * 32, 256), 256, 0, st>>>(
             c_f >= 0 ? pl.c0[c_f] : 0, fin_n, p_f * M, c_n >= 0 ? pl.c0[c_n] : 0, prep_n, p_n * M, p_n * M / r, q,
-            k, p.H, p.Hkv, p.T, scale_log2, mref, acc_o, acc_l, o, p.lse, overflow);
+            k, p.H, p.Hkv, p.T, scale_log2, mref, acc_o, acc_l, o, p.lse, overflow, fx);
         FLASHMSA_CHECK_LAUNCH();
       };
       // This lane's (chunk, group) pairs: chunk-major, groups l, l + S, ...
@@ -911,10 +1027,10 @@ void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
           finprep(c_prev, g_prev, c, g);
           const int slot = g * pl.n_chunks + c;
           const unsigned grid = static_cast<unsigned>(std::min<int64_t>(pl.bound[c], sms));
-          kvw_fwd_kernel<M><<<grid, kThreads, kSmem, st>>>(
+          kvw_fwd_kernel<M, DET><<<grid, kThreads, kSmem, st>>>(
               q_map, k_map, v_map, items + g * pl.items_per_group + pl.off[c], n_items + slot, counters + slot,
               ws.at<int32_t>(pl.sel.o_vals_out), mref, acc_o, acc_l, overflow, p.top_k, pl.c0[c], g * M,
-              g * M / r, scale_log2);
+              g * M / r, scale_log2, fx);
           FLASHMSA_CHECK_LAUNCH();
           c_prev = c;
           g_prev = g;
@@ -930,15 +1046,23 @@ void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
   ws.release(stream);
 }
 
+// FLASHMSA_DET_FWD=query keeps deterministic mode's forward on the query-major kernel (A/B
+// timing); read per call.
+bool det_forward_forced_query() {
+  const char* v = std::getenv("FLASHMSA_DET_FWD");
+  return v != nullptr && std::strcmp(v, "query") == 0;
+}
+
 }  // namespace
 
 bool kv_wgmma_forward_applies(const MsaParams& p) {
-  if (p.T <= 0 || p.deterministic || p.dtype != DType::bf16 || p.D != kD || p.Dv != kD || p.block_size != kBlk)
-    return false;
+  if (p.T <= 0 || p.dtype != DType::bf16 || p.D != kD || p.Dv != kD || p.block_size != kBlk) return false;
   if (p.top_k < 1 || p.top_k > 32 || p.Hp <= 0 || p.Hkv <= 0 || p.H % p.Hp != 0 || p.H % p.Hkv != 0)
     return false;
   const int m = p.H / p.Hp;
   if (m != 4 && m != 8 && m != 16) return false;
+  // The deterministic form: groups of 8 or 16 heads (its staging swizzle), unless forced off.
+  if (p.deterministic && (m == 4 || det_forward_forced_query())) return false;
   if ((p.H / p.Hkv) % m != 0) return false;  // a group lies inside one kv head
   if (static_cast<int64_t>(p.Hp) * p.T * p.top_k >= INT32_MAX) return false;
   // Workspace <= size(q) / 2 (performance.md's rule, which matters at scale), or <= 64 MiB: small
@@ -949,10 +1073,19 @@ bool kv_wgmma_forward_applies(const MsaParams& p) {
 }
 
 void launch_kv_wgmma_forward(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
-  switch (p.H / p.Hp) {
-    case 4: run_kvw<4>(p, overflow, stream); break;
-    case 8: run_kvw<8>(p, overflow, stream); break;
-    default: run_kvw<16>(p, overflow, stream); break;
+  const int m = p.H / p.Hp;
+  if (p.deterministic) {
+    if (m != 8 && m != 16)
+      throw Error("flashmsa: sparse_attention_forward: internal error: the deterministic KV-major forward "
+                  "takes groups of 8 or 16 heads only");
+    if (m == 8) run_kvw<8, true>(p, overflow, stream);
+    else run_kvw<16, true>(p, overflow, stream);
+    return;
+  }
+  switch (m) {
+    case 4: run_kvw<4, false>(p, overflow, stream); break;
+    case 8: run_kvw<8, false>(p, overflow, stream); break;
+    default: run_kvw<16, false>(p, overflow, stream); break;
   }
 }
 

@@ -39,6 +39,7 @@
 
 #include "common/check.cuh"
 #include "common/fixed_order_sum.cuh"
+#include "common/fixed_point.cuh"
 #include "common/metadata.cuh"
 #include "common/selection_index.cuh"
 #include "launchers.h"
@@ -101,32 +102,6 @@ __global__ void merge_student_lse_kernel(const int32_t* __restrict__ block_idx, 
 }
 
 // ---- deterministic mode: fixed-point factors --------------------------------------------------
-
-// max |x| over a bf16 tensor, as float bits (non-negative floats order like their bits).
-__global__ void absmax_kernel(const bf16* __restrict__ x, int64_t n8,  // n8 = numel / 8
-                              unsigned int* __restrict__ out) {
-  float m = 0.f;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n8;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const uint4 w = reinterpret_cast<const uint4*>(x)[i];
-    const uint32_t parts[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&parts[j]));
-      m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
-    }
-  }
-  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-  if ((threadIdx.x & 31) == 0) atomicMax(out, __float_as_uint(m));
-}
-
-// Power of two F with bound * F < 2^62 (so a sum of terms bounded in total by `bound` fits).
-__device__ float fixed_point_factor(float bound) {
-  if (!(bound > 0.f) || !isfinite(bound)) return 1.f;
-  int e;
-  frexpf(bound, &e);  // bound < 2^e
-  return ldexpf(1.f, max(-126, min(127, 62 - e)));
-}
 
 // Bounds (see the derivation in docs/backward.md): with A_x = max|x|,
 //   |dS_main| summed over keys <= Dv*A_dO*(A_v + A_o);  sum_j |dS_proxy| <= 2|c|.

@@ -3,7 +3,8 @@
 // query-major kernel itself.
 //
 // Routing: the wgmma KV-major kernel (forward_kv_wgmma.cu: D = 128, groups of 4/8/16 heads inside
-// one kv head, top_k <= 32, not deterministic) where the KL value, if asked for, can follow
+// one kv head, top_k <= 32; in deterministic mode its int64 form, groups of 8 or 16 heads) where
+// the KL value, if asked for, can follow
 // KV-major (kl_value.cuh); tokens it flags (its fixed softmax reference overflowed, or a row had
 // nothing to sum) are recomputed here by redo_forward_kernel. Else the mma.sync KV-major kernel
 // (forward_kv.cu) for groups of fewer than 16 heads; else the query-major kernel.
@@ -646,7 +647,7 @@ void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
   // Path choice, read on every call (so a benchmark can flip it between runs):
   // FLASHMSA_FORWARD_PATH=query forces this kernel, =kv the mma.sync KV-major one (forward_kv.cu)
   // where it applies, =wgmma the wgmma KV-major one (forward_kv_wgmma.cu; an error where it does
-  // not apply, so tests know which kernel ran: its sums are not bitwise reproducible). Unset: wgmma
+  // not apply, so tests know which kernel ran: its fast form's sums are not bitwise reproducible). Unset: wgmma
   // KV-major where it applies and the KL value (if asked for) can be formed KV-major after it
   // (launch_kl_value); else mma KV-major for groups of fewer than 16 heads; else this kernel.
   // m < 16: this kernel fills only m of its 16 MMA rows and streams a token's 16 blocks (1 MB) per
@@ -663,7 +664,7 @@ void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
   if (force_wgmma && p.T > 0 && !use_wgmma)
     throw Error("flashmsa: sparse_attention_forward: FLASHMSA_FORWARD_PATH=wgmma, but the wgmma KV-major "
                 "forward does not take this problem (argument 'q': D = Dv = 128, groups of 4, 8 or 16 heads "
-                "inside one kv head, top_k <= 32, not deterministic)");
+                "inside one kv head, top_k <= 32; deterministic only with groups of 8 or 16)");
   if (!use_wgmma && p.T > 0 && !force_query && kv_forward_applies(p) && (force_kv || p.H / p.Hp < 16)) {
     launch_kv_forward(p, stream);
     return;
