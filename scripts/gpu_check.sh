@@ -32,7 +32,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --fo
 export PYTHONPATH=$PWD/python FLASHMSA_TORCH_LIBRARY=$PWD/$BIN/_C.so PYTHONUNBUFFERED=1
 has tests && run_stage gpu_tests "$BIN/flashmsa_gpu_tests" --gtest_brief=1
 has sanitizer && run_stage sanitizer compute-sanitizer --tool memcheck --error-exitcode 9 \
-  "$BIN/flashmsa_gpu_tests" --gtest_brief=1 --gtest_filter="${SANITIZER_FILTER:-*FewerVisible*:*LocalOnlyK1*:*ManyShort*:*OddHead*:CudaWarmup.GqaD64TwoSequences:*WgmmaPathGroupOf16K16*:*KlValueKvMajor*:*DeterministicDq*:*WgmmaKv*:*SharedKv*:*TokenRows*}"
+  "$BIN/flashmsa_gpu_tests" --gtest_brief=1 --gtest_filter="${SANITIZER_FILTER:-*FewerVisible*:*LocalOnlyK1*:*ManyShort*:*OddHead*:CudaWarmup.GqaD64TwoSequences:*WgmmaPathGroupOf16K16*:*KlValueKvMajor*:*DeterministicDq*:*WgmmaKv*:*SharedKv*:*TokenRows*:*DeterministicWgmma*}"
 has main && run_stage main_job "$BIN/flashmsa_run" --device cuda --seqlen 8192 --full-check \
   --json "$LOGS/main_job.json"
 has python && run_stage python_cuda python3 -m pytest -q -x tests/python -k "cuda or Cuda or CUDA"
