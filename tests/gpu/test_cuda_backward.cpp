@@ -598,6 +598,8 @@ void check_token_rows(const Shape& s, uint64_t seed) {
   {
     gputest::ScopedEnv dq_env("FLASHMSA_DET_DQ", "query");
     det_query = run_gpu(d, st, true);
+    const Grads again = run_gpu(d, st, true);  // the per-head DET form + query-major dq, bitwise too
+    EXPECT_TRUE(again.raw == det_query.raw) << "deterministic (query-major dq) rerun differs bitwise";
   }
   compare(det_query, cpu, "det per-head tiles, query-major dq");
   expect_close(det, det_query, "det token rows vs det query-major dq");

@@ -24,7 +24,7 @@
 // by the 8 warps (warp w takes keys [16w, 16w+16)); only the KL needs them.
 // Tokens are processed in chunks so that the fp32 accumulator and the partials stay within the
 // forward's extra-memory goal (<= 0.45 x size of q with the index). The float atomics make o
-// and kl non-bitwise-reproducible run to run, so deterministic mode uses the query-major kernel.
+// and kl non-bitwise-reproducible run to run, so deterministic mode never takes this kernel.
 //
 // Measured at m = 16 (H200, m3, B=1, median of 10): 14.3 / 25.0 / 46.6 ms without KL and
 // 16.6 / 29.1 / 55.1 ms with it at S = 16k / 32k / 64k (query-major: 6.1 / 13.2 / 27.4 and

@@ -14,7 +14,8 @@
 // its selected blocks as 32-key sub-tiles of K and V with a cp.async double buffer and keeps an
 // FA2-style online softmax in registers. Sub-tiles that start after the query are skipped, so
 // the partial own block costs only what it needs. Exact, bitwise reproducible, no extra memory:
-// deterministic mode, D = 64 and top_k > 32 (the dense warm-up's index) take it.
+// deterministic mode (outside the int64 KV-major form's groups of 8 / 16), D = 64 and top_k > 32 (the
+// dense warm-up's index) take it.
 //
 // The KL value needs the teacher (the group's mean P over the selected keys), which needs every
 // head's lse first; a second kernel recomputes the scores of one (proxy head, token) with the
