@@ -162,6 +162,22 @@ Grads run_gpu(DeviceSide& d, const Setup& st, bool deterministic) {
   return r;
 }
 
+uint32_t float_bits(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  return b;
+}
+
+// Runs the deterministic backward again (runs - 1 times) on the same inputs: every gradient and
+// kl must be bitwise those of `ref`.
+void expect_bitwise_reruns(DeviceSide& d, const Setup& st, const Grads& ref, int runs, const char* what) {
+  for (int run = 1; run < runs; ++run) {
+    const Grads again = run_gpu(d, st, true);
+    EXPECT_TRUE(again.raw == ref.raw) << what << ": deterministic run " << run << " differs bitwise";
+    EXPECT_EQ(float_bits(again.kl), float_bits(ref.kl)) << what << ": deterministic kl differs in run " << run;
+  }
+}
+
 void compare(const Grads& gpu, const Grads& cpu, const std::string& what) {
   const char* names[5] = {"dq", "dk", "dv", "dqp", "dkp"};
   const std::vector<double>* g[5] = {&gpu.dq, &gpu.dk, &gpu.dv, &gpu.dqp, &gpu.dkp};
@@ -190,11 +206,7 @@ void check_backward(const Shape& s, uint64_t seed, bool pass_kl_grad = false, fl
   if (deterministic_too) {
     const Grads first = run_gpu(d, st, true);
     compare(first, cpu, "det");
-    for (int run = 1; run < 5; ++run) {
-      const Grads again = run_gpu(d, st, true);
-      EXPECT_TRUE(again.raw == first.raw) << "deterministic run " << run << " differs bitwise";
-      EXPECT_EQ(std::memcmp(&again.kl, &first.kl, 4), 0) << "deterministic kl differs in run " << run;
-    }
+    expect_bitwise_reruns(d, st, first, 5, "det");
   }
 }
 
@@ -388,11 +400,7 @@ void check_deterministic_wgmma(const Shape& s, uint64_t seed, float kl_grad) {
   }
   const double kl_rel = std::fabs(det.kl - fast.kl) / std::max(1e-30, std::fabs(static_cast<double>(fast.kl)));
   EXPECT_LT(kl_rel, 1e-3) << "kl det " << det.kl << " fast " << fast.kl;
-  for (int run = 1; run < 5; ++run) {
-    const Grads again = run_gpu(d, st, true);
-    EXPECT_TRUE(again.raw == det.raw) << "deterministic run " << run << " differs bitwise";
-    EXPECT_EQ(std::memcmp(&again.kl, &det.kl, 4), 0) << "deterministic kl differs in run " << run;
-  }
+  expect_bitwise_reruns(d, st, det, 5, "det wgmma");
 }
 
 TEST(CudaBackward, DeterministicWgmmaGroupOf16K16) {
@@ -403,12 +411,6 @@ TEST(CudaBackward, DeterministicWgmmaGroupOf16K16) {
 }
 
 // ---- kv heads shared by G = Hp/Hkv > 1 proxy groups (the wgmma kernel's SHARED_KV form) ----
-
-uint32_t float_bits(float x) {
-  uint32_t b;
-  std::memcpy(&b, &x, 4);
-  return b;
-}
 
 void expect_close(const Grads& a, const Grads& b, const std::string& what) {
   const char* names[5] = {"dq", "dk", "dv", "dqp", "dkp"};
@@ -459,11 +461,7 @@ void check_shared_kv(const Shape& s, uint64_t seed, float kl_grad, bool determin
     det = run_gpu(d, st, true);
     compare(det, cpu, "det wgmma shared kv");
     expect_close(det, wg, "det vs fast");
-    for (int run = 1; run < 4; ++run) {
-      const Grads again = run_gpu(d, st, true);
-      EXPECT_TRUE(again.raw == det.raw) << "deterministic run " << run << " differs bitwise";
-      EXPECT_EQ(float_bits(again.kl), float_bits(det.kl)) << "deterministic kl differs in run " << run;
-    }
+    expect_bitwise_reruns(d, st, det, 4, "det wgmma shared kv");
   }
   {
     ScopedBackwardPath path("mma");
@@ -589,11 +587,7 @@ void check_token_rows(const Shape& s, uint64_t seed) {
     gputest::ScopedEnv dq_env("FLASHMSA_DET_DQ", "kv");  // an error unless the int64 dq form runs
     det = run_gpu(d, st, true);
     compare(det, cpu, "det token rows");
-    for (int run = 1; run < 3; ++run) {
-      const Grads again = run_gpu(d, st, true);
-      EXPECT_TRUE(again.raw == det.raw) << "deterministic token-row run " << run << " differs bitwise";
-      EXPECT_EQ(float_bits(again.kl), float_bits(det.kl)) << "deterministic kl differs in run " << run;
-    }
+    expect_bitwise_reruns(d, st, det, 3, "det token rows");
   }
   {
     gputest::ScopedEnv dq_env("FLASHMSA_DET_DQ", "query");
