@@ -354,7 +354,7 @@ TEST(CudaBackward, DeterministicDqMatchesFastDq) {
   check_deterministic_dq(shape(20, 4, 4, 2, 64, 5, {0, 640, 129}), 23);
 }
 
-// FLASHMSA_DET_DQ=kv is an error where the token-row DET form (int64 dq) does not run: groups of
+// FLASHMSA_DET_DQ=kv is an error where the token-row DET form (int32 dq) does not run: groups of
 // 32 heads, and groups of 16 with FLASHMSA_BWD_ROWS=0; and FLASHMSA_BWD_ROWS=1 with
 // FLASHMSA_DET_DQ=query. (A TEST body cannot name Setup: gtest's Test::Setup hides it.)
 void expect_det_dq_env_error(const Shape& s, const char* det_dq, const char* rows) {
@@ -376,7 +376,7 @@ TEST(CudaBackward, DeterministicDqEnvErrors) {
 }
 
 // Deterministic mode on the wgmma kernel's shapes (Hkv = Hp, D = 128, K <= 32) runs its DET form
-// (dqp / dkp in int64 fixed point; groups of 8 / 16 heads: token rows with dq staged as int64, else
+// (dqp / dkp in int64 fixed point; groups of 8 / 16 heads: token rows with dq staged as int32, else
 // no dQ beside the query-major dq): it must agree with the fast
 // mode (fp32 atomics) and with the CPU, and give the same bits, all five gradients and kl, every run.
 void check_deterministic_wgmma(const Shape& s, uint64_t seed, float kl_grad) {

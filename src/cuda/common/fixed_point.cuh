@@ -29,12 +29,13 @@ __global__ void absmax_kernel(const __nv_bfloat16* __restrict__ x, int64_t n8,  
   if ((threadIdx.x & 31) == 0) atomicMax(out, __float_as_uint(m));
 }
 
-// Power of two F with bound * F < 2^62 (so a sum of terms bounded in total by `bound` fits).
-__device__ __forceinline__ float fixed_point_factor(float bound) {
+// Power of two F with bound * F < 2^bits (so a sum of terms bounded in total by `bound` fits an
+// int64 with bits = 62, an int32 with bits = 30, with room for each term's rounding).
+__device__ __forceinline__ float fixed_point_factor(float bound, int bits = 62) {
   if (!(bound > 0.f) || !isfinite(bound)) return 1.f;
   int e;
   frexpf(bound, &e);  // bound < 2^e
-  return ldexpf(1.f, max(-126, min(127, 62 - e)));
+  return ldexpf(1.f, max(-126, min(127, bits - e)));
 }
 
 }  // namespace

@@ -33,7 +33,7 @@
 // teacher sum and the KL terms of the above, K, Kp and Q / Qp loaded, no atomics at all.
 // DET (deterministic mode with top_k <= 32), per-head tiles: no dQ at all (the query-major
 // dq_kernel computes it without atomics), so a head step neither writes the dS tile nor joins its
-// two barriers; with token rows: dQ staged as int64 fixed point (see below the kernel's template
+// two barriers; with token rows: dQ staged as int32 fixed point (see below the kernel's template
 // comment). dqp / dkp go out as int64 fixed-point atomics (integer adds commute: the sums do not
 // depend on the atomics' order). dK, dV (owned) and the KL share have a fixed order already; SHARED_KV's
 // dK, dV go out as fixed point too (factors fx[1], fx[2]).
@@ -189,13 +189,13 @@ __device__ __forceinline__ void wb_bulk_reduce_if(bool ok, float* dst, uint32_t 
       : "memory");
 }
 
-// The same for int64 fixed-point rows (two's complement: .u64 addition is the signed one):
-// integer adds commute, so the deterministic form's sums do not depend on the order.
-__device__ __forceinline__ void wb_bulk_reduce_u64_if(bool ok, long long* dst, uint32_t src_smem, uint32_t bytes) {
+// The same for int32 fixed-point rows (the token-row DET form's dq): integer adds commute, so
+// the deterministic form's sums do not depend on the order.
+__device__ __forceinline__ void wb_bulk_reduce_s32_if(bool ok, int* dst, uint32_t src_smem, uint32_t bytes) {
   const uint64_t gaddr = static_cast<uint64_t>(__cvta_generic_to_global(dst));
   asm volatile(
       "{\n.reg .pred q;\nsetp.ne.b32 q, %2, 0;\n"
-      "@q cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u64 [%0], [%1], %3;\n}\n" ::"l"(gaddr),
+      "@q cp.reduce.async.bulk.global.shared::cta.bulk_group.add.s32 [%0], [%1], %3;\n}\n" ::"l"(gaddr),
       "r"(src_smem), "r"(ok ? 1 : 0), "r"(bytes)
       : "memory");
 }
@@ -286,11 +286,10 @@ __device__ __forceinline__ void ss_tokens_by_keys(float (&acc)[32], uint32_t ds_
 // dQ (dq_acc is not read; the query-major dq_kernel writes dq), dqp / dkp as int64 fixed point with
 // the factors fx[3], fx[4]. Its head step retires dV / dK, releases the stage and issues the next
 // step's S^T at the same single call site as the full kernel, with nothing to wait for behind it.
-// DET with token rows (RM > 0) computes dQ as the fast form does, times the fixed-point factor
-// fx[0], and stages it as int64 in two passes of 32 columns (a pass's token region has the fp32
-// region's size), each token's RM rows one bulk reduce-add (.add.u64) per pass into dq_acc read
-// as int64 [T][2 passes][H][2 WGs][32] with the fast form's column-group swizzle
-// (convert_acc_kernel's layout 2 undoes both); its dqp stays on the fixed-point atomics.
+// DET with token rows (RM > 0) computes dQ as the fast form does, times the int32 fixed-point
+// factor fx[5], and stages it as int32 in the fast form's layout, each token's RM rows one bulk
+// reduce-add (.add.s32) into dq_acc read as int32 (the same bytes as the fast form's fp32);
+// its dqp stays on the int64 fixed-point atomics.
 // SHARED_KV = true (G = Hp/Hkv > 1 groups per kv head): the same loop; the epilogue adds dK, dV
 // into dk_acc / dv_acc instead of storing them. A template flag, not a runtime branch: the G = 1
 // instantiations run at the 240-register limit and must compile exactly as before. KL_ONLY needs
@@ -304,7 +303,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     const float* __restrict__ lse, // [H, T]
     const float* __restrict__ di,  // [T, H] rowsum(dO * O)
     Index ix, int H, int Hkv, int Hp, float scale,
-    float* __restrict__ dq_acc,    // [T, H, 128] fp32; DET: int64 [T, 2, H, 64] with RM > 0, else unused
+    float* __restrict__ dq_acc,    // [T, H, 128] fp32; DET: int32 (same layout) with RM > 0, else unused
     bf16* __restrict__ dk,         // [T, Hkv, 128] (owned: this CTA is the only writer of its rows)
     bf16* __restrict__ dv,         // [T, Hkv, 128]
     FoldArgs fa,                   // with DET, dqp_acc / dkp_acc are int64 accumulators
@@ -758,46 +757,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     // ~40% of the consumers' stall samples). The stage's Q and dO are dead once BOTH WGs have
     // retired the products that read them (dK / dV, or dkp): StageDead.
     bar_sync(kBarStageDead, L::kConsumers);
-    if constexpr (DET) {
-      // Token rows, head step (proxy steps went on above): dQ times scale and the fixed-point
-      // factor, as int64, in two passes of 32 columns. Row (token k, head h) of pass `pass` at
-      // region(k) + h * 512 + 256 cw, its 32-byte column groups g (4 int64) at g ^ (h & 7), as the
-      // fast form's fp32 rows; one bulk reduce-add of RM x 512 bytes per token and pass into
-      // dq_acc read as int64 [T][2][H][64]. The second pass overwrites the region once the
-      // first pass's bulk reads are done.
-      constexpr int kRm = RM > 0 ? RM : 1, kNt = kTileTok / kRm;
-      const float fx_q = __ldg(fx);  // (dq * scale) * fx_q: fx_q alone may be up to 2^127
-      auto token_region = [&](int k) {
-        return smem + (k < 32 / kRm ? L::oQ + k * kRm * 512 : L::odO + (k - 32 / kRm) * kRm * 512) + st * L::kTokTile;
-      };
-      const int perm = (trow % kRm) & 7;
-      unsigned char* const row_lo = token_region(trow / kRm) + (trow % kRm) * 512 + 256 * cw;
-      unsigned char* const row_hi = token_region((trow + 8) / kRm) + ((trow + 8) % kRm) * 512 + 256 * cw;
-      const int r = ct & (kTileTok - 1);
-      const int t = tm.tok[(r % kNt) * kRm];
-      long long* const dst = reinterpret_cast<long long*>(dq_acc) + (static_cast<int64_t>(max(t, 0)) * 2 * H + p * m) * 64;
-#pragma unroll
-      for (int pass = 0; pass < 2; ++pass) {
-        if (pass == 1) {
-          bulk_wait_group_read<0>();  // pass 0's rows have been read (issuing threads)
-          bar_sync(kBarStaged, L::kConsumers);
-        }
-#pragma unroll
-        for (int jl = 0; jl < 4; ++jl) {
-          const int j = 4 * pass + jl;
-          const int off = 32 * ((2 * jl + (c4 >> 1)) ^ perm) + 16 * (c4 & 1);
-          *reinterpret_cast<longlong2*>(row_lo + off) =
-              make_longlong2(__float2ll_rn(dq[4 * j] * scale * fx_q), __float2ll_rn(dq[4 * j + 1] * scale * fx_q));
-          *reinterpret_cast<longlong2*>(row_hi + off) =
-              make_longlong2(__float2ll_rn(dq[4 * j + 2] * scale * fx_q), __float2ll_rn(dq[4 * j + 3] * scale * fx_q));
-        }
-        fence_proxy_async_shared();  // generic stores of the staging before the async-proxy reads
-        bar_sync(kBarStaged, L::kConsumers);
-        wb_bulk_reduce_u64_if(ct < kNt && t >= 0, dst + pass * H * 64, smem_u32(token_region(r % kNt)), kRm * 512);
-        bulk_commit_group();
-      }
-      bulk_wait_group_read<0>();  // the staging (= the stage) is free again
-    } else {
+    {
       const float f = head ? scale : fa.scale_p;
       // Token rows (RM > 0) at a head step: row (token k, head h) of both WGs at
       // region(k) + h * 512 + 256 cw, where region(k) is token k's RM x 512 bytes (its dq rows, which
@@ -819,10 +779,22 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
           (rows_step ? token_region(trow / kRm) + (trow % kRm) * 512 + 256 * cw : stg_row(trow)) + 8 * c4;
       unsigned char* const row_hi =
           (rows_step ? token_region((trow + 8) / kRm) + ((trow + 8) % kRm) * 512 + 256 * cw : stg_row(trow + 8)) + 8 * c4;
+      if constexpr (DET) {
+        // Token rows, head step (proxy steps went on above): dQ times scale and the int32
+        // fixed-point factor fx[5], in the fast form's layout, added as .s32 below.
+        const float fx_q = __ldg(fx + 5);  // (dq * scale) * fx_q: fx_q alone may be up to 2^127
+        auto fixed = [&](float x) { return __float2int_rn(x * f * fx_q); };
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        *reinterpret_cast<float2*>(row_lo + 32 * (j ^ perm)) = make_float2(dq[4 * j] * f, dq[4 * j + 1] * f);
-        *reinterpret_cast<float2*>(row_hi + 32 * (j ^ perm)) = make_float2(dq[4 * j + 2] * f, dq[4 * j + 3] * f);
+        for (int j = 0; j < 8; ++j) {
+          *reinterpret_cast<int2*>(row_lo + 32 * (j ^ perm)) = make_int2(fixed(dq[4 * j]), fixed(dq[4 * j + 1]));
+          *reinterpret_cast<int2*>(row_hi + 32 * (j ^ perm)) = make_int2(fixed(dq[4 * j + 2]), fixed(dq[4 * j + 3]));
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          *reinterpret_cast<float2*>(row_lo + 32 * (j ^ perm)) = make_float2(dq[4 * j] * f, dq[4 * j + 1] * f);
+          *reinterpret_cast<float2*>(row_hi + 32 * (j ^ perm)) = make_float2(dq[4 * j + 2] * f, dq[4 * j + 3] * f);
+        }
       }
       fence_proxy_async_shared();  // generic stores of the staging before the async-proxy reads
       // Token regions span both WGs (256 threads); per-WG rows need only the WG (ids 6, 7 with RM).
@@ -837,7 +809,10 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       const int rows = head ? H : Hp, hr = head ? p * m + (RM > 0 ? 0 : hi) : p;  // [T, rows, 128], row hr
       const bool issues = rows_step ? ct < kTileTok / kRm : (ct & 127) < kTileTok;
       float* const dst = red_base + (static_cast<int64_t>(max(t, 0)) * rows + hr) * D + (rows_step ? 0 : 64 * cw);
-      if constexpr (RM > 0)
+      if constexpr (DET)
+        wb_bulk_reduce_s32_if(issues && t >= 0, reinterpret_cast<int*>(dst), smem_u32(token_region(r % (kTileTok / kRm))),
+                              kRm * 512);
+      else if constexpr (RM > 0)
         wb_bulk_reduce_if(issues && t >= 0, dst,
                           smem_u32(rows_step ? token_region(r % (kTileTok / kRm)) : stg_row(r)),
                           rows_step ? kRm * 512 : 64 * 4);

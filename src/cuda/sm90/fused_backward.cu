@@ -12,9 +12,8 @@
 //      group lies inside one kv head, one attn_bwd_kernel (FOLD = true) does both (see the kernels);
 //      when D = 128 (and groups of m >= 2 heads), the wgmma version of that folded kernel does
 //      (backward_wgmma.cuh; FLASHMSA_BACKWARD_PATH=mma forces the old one), in deterministic mode
-//      only with top_k <= 32 (its DET form: with token rows it computes dq as int64, else beside
-//      the query-major dq); with G > 1 groups per kv
-//      head its SHARED_KV form adds dk/dv into the same accumulators as the mma kernel;
+//      only with top_k <= 32 (its DET form: with token rows it computes dq as int32 fixed point,
+//      else beside the query-major dq); with G > 1 groups per kv head its SHARED_KV form adds dk/dv into the same accumulators as the mma kernel;
 //   5. accumulators -> bf16, the KL sum -> kl.
 // launch_kl_value (the forward's KL value, kl_value.cuh) runs steps 2, 3 (student lse only) and
 // the wgmma kernel's KL_ONLY form, then the same KL sum.
@@ -23,9 +22,9 @@
 // top_k <= 32 it computes dq instead with the query-major, atomic-free dq_kernel
 // (backward_dq.cu) and attn_bwd_kernel (or the wgmma kernel's per-head DET form) skips dq: dq's
 // int64 accumulator, 4x the size of q and the largest one, is not allocated; on the token-row
-// shapes (groups of 8 / 16 heads, one per kv head) the wgmma DET form computes dq KV-major into
-// that accumulator instead (bulk int64 reduce-adds: about twice as fast as the dq_kernel), when it
-// is at most 16 GiB.
+// shapes (groups of 8 / 16 heads, one per kv head) the wgmma DET form computes dq KV-major instead,
+// as int32 fixed point (at most top_k <= 32 adds per element: 30 bits under the bound leave room
+// for their roundings) through the fast form's bulk reduce-adds, in an accumulator of its size.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -108,7 +107,7 @@ __global__ void merge_student_lse_kernel(const int32_t* __restrict__ block_idx, 
 __global__ void fixed_point_kernel(const unsigned int* __restrict__ amax_bits,  // [7]: q k v o dO qp kp
                                    float scale, float scale_p, int Dv, float T, float r,
                                    float hp_per_pk, float c_base, const float* __restrict__ kl_grad,
-                                   float* __restrict__ fx) {  // [5]: dq dk dv dqp dkp
+                                   float* __restrict__ fx) {  // [6]: dq dk dv dqp dkp, dq as int32
   float a[7];
   for (int i = 0; i < 7; ++i) a[i] = __uint_as_float(amax_bits[i]);
   const float c = fabsf(c_base * (kl_grad ? *kl_grad : 1.f));
@@ -118,38 +117,37 @@ __global__ void fixed_point_kernel(const unsigned int* __restrict__ amax_bits,  
   fx[2] = fixed_point_factor(a[4] * T * r);
   fx[3] = fixed_point_factor(2.f * c * scale_p * a[6]);
   fx[4] = fixed_point_factor(2.f * c * scale_p * a[5] * T * hp_per_pk);
+  // The token-row DET form's int32 dq: the same bound; at most top_k <= 32 adds per element (one
+  // per selected block), so their roundings (<= 1/2 each) stay far inside 2^31 - 2^30.
+  fx[5] = fixed_point_factor(scale * a[1] * ds_sum, 30);
 }
 
 // ---- outputs ----------------------------------------------------------------------------------
 
-// The wgmma backward's token-row staging (RM > 0) leaves its dq accumulator permuted; out is
-// [T, H, 128] with H % 8 == 0 (so head & 7 == row & 7). Layout 1 (fast form, fp32 [T, H, 128]):
-// each row's 32-byte column group j of either 64-column half at j ^ (head & 7). Layout 2 (DET form,
-// int64 [T][2 passes][H][2 WGs][32]): column c = 64 w + 32 pass + l, its 32-byte group l / 4 of
-// the WG's pass at (l / 4) ^ (head & 7).
-__global__ void convert_acc_kernel(const void* __restrict__ acc,  // [n] fp32, or int64 when fx
+// permuted: acc is [T, H, 128] with H % 8 == 0 (so head & 7 == row & 7), and the wgmma
+// backward's token-row staging (RM > 0) stored each row's 32-byte column group j of either
+// 64-column half at j ^ (head & 7). int32: the token-row DET form's int32 fixed-point dq.
+__global__ void convert_acc_kernel(const void* __restrict__ acc,  // [n] fp32, or int64 / int32 when fx
                                    int64_t n, const float* __restrict__ fx,  // factor or null
                                    bf16* __restrict__ out,                    // [n]
-                                   int layout = 0, int H = 0) {
+                                   bool permuted = false, bool int32 = false) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     int64_t at = i;
-    const int c = static_cast<int>(i & 127), h7 = static_cast<int>((i >> 7) & 7);
-    if (layout == 1) {
+    if (permuted) {
+      const int c = static_cast<int>(i & 127), h7 = static_cast<int>((i >> 7) & 7);
       at = (i & ~int64_t{127}) + (c & 64) + ((((c >> 3) & 7) ^ h7) << 3) + (c & 7);
-    } else if (layout == 2) {
-      const int64_t th = i >> 7, t = th / H, h = th - t * H;
-      const int l = c & 31;
-      at = ((t * 2 + ((c >> 5) & 1)) * H + h) * 64 + (c >> 6) * 32 + ((((l >> 2) ^ h7) << 2) | (l & 3));
     }
-    const float x = fx ? static_cast<float>(
-                             static_cast<double>(reinterpret_cast<const long long*>(acc)[at]) /
-                             static_cast<double>(*fx))
-                       : reinterpret_cast<const float*>(acc)[at];
+    float x;
+    if (!fx) x = reinterpret_cast<const float*>(acc)[at];
+    else {
+      const double v = int32 ? static_cast<double>(reinterpret_cast<const int*>(acc)[at])
+                             : static_cast<double>(reinterpret_cast<const long long*>(acc)[at]);
+      x = static_cast<float>(v / static_cast<double>(*fx));
+    }
     out[i] = __float2bfloat16_rn(x);
   }
 }
-
 
 // ---- host side --------------------------------------------------------------------------------
 
@@ -175,7 +173,7 @@ bool backward_rows_env(const char* value) {
 }
 // FLASHMSA_DET_DQ=query keeps deterministic mode's dq on the query-major kernel (beside the
 // per-head DET form: the token-row DET form always computes dq) where the token-row DET form would
-// compute it as int64 (A/B timing, or 4 x size(q) less workspace); =kv makes it an error when that
+// compute it as int32 (A/B timing); =kv makes it an error when that
 // form does not take the problem (tests). Read per call.
 bool det_dq_env(const char* value) {
   const char* v = std::getenv("FLASHMSA_DET_DQ");
@@ -298,10 +296,10 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
     // Fast mode: fp32 atomics (fx == nullptr, dq_acc exists). Deterministic mode when dq is
     // query-major (top_k <= 32, dq_acc == nullptr): its DET form has no dQ and takes dqp / dkp
     // (and SHARED_KV's dk / dv) in int64 fixed point; or with token rows, where the DET form also
-    // stages dq as int64 (dq_acc int64 [T, 2, H, 64]); with a dq accumulator otherwise (K > 32)
-    // the mma.sync kernel keeps dq.
+    // stages dq as int32 fixed point (dq_acc int32, laid out as the fast form's fp32); with a dq
+    // accumulator otherwise (K > 32) the mma.sync kernel keeps dq.
     if constexpr (D == 128) {
-      // det: no dq here (query-major), or the token-row DET form's int64 dq.
+      // det: no dq here (query-major), or the token-row DET form's int32 dq.
       const bool fast = fx == nullptr && dq_acc != nullptr, det = fx != nullptr && (dq_acc == nullptr || token_rows > 0);
       if (wgmma_kv_applies(p) && (fast || det)) {
         const bool shared_kv = p.Hp > p.Hkv;  // G > 1: dk_acc / dv_acc exist (!main_owned)
@@ -440,23 +438,22 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // one group per kv head (G = 1).
   const bool rows_shape =
       fold && p.D == 128 && wgmma_kv_applies(p) && p.Hp == p.Hkv && (m == 8 || m == 16) && !backward_rows_env("0");
-  // Deterministic mode's dq: on those tiles the DET form computes it KV-major as int64 fixed point
-  // (bulk .add.u64 of staged rows, order-independent), in a 4 x size(q) accumulator, capped at
-  // 16 GiB (a function of the shapes only, so a run's path and bits never depend on free memory);
-  // else the query-major dq_kernel (reads a token's selection one entry per lane: K <= 32). The
-  // dense warm-up's all-blocks index (K > 32) keeps dq on the fixed-point atomics.
-  const bool dq_kv_int64 =
-      det && rows_shape && K <= 32 && T * p.H * p.D * 8 <= (int64_t{16} << 30) && !det_dq_env("query");
-  if (det_dq_env("kv") && det && !dq_kv_int64)
+  // Deterministic mode's dq: on those tiles the DET form computes it KV-major as int32 fixed point
+  // (bulk .add.s32 of staged rows, order-independent; factor fx[5]), in an accumulator of the fast
+  // form's size (2 x size(q)); else the query-major dq_kernel (reads a token's selection one entry
+  // per lane: K <= 32). The dense warm-up's all-blocks index (K > 32) keeps dq on the int64
+  // fixed-point atomics.
+  const bool dq_kv_int32 = det && rows_shape && K <= 32 && !det_dq_env("query");
+  if (det_dq_env("kv") && det && !dq_kv_int32)
     throw Error("flashmsa: fused_backward: FLASHMSA_DET_DQ=kv, but the token-row DET form does not take this "
-                "problem (argument 'q': groups of 8 or 16 heads, one per kv head, D = 128, top_k <= 32, int64 dq "
-                "<= 16 GiB; not with FLASHMSA_BWD_ROWS=0)");
-  const bool dq_query_major = det && K <= 32 && !dq_kv_int64;
+                "problem (argument 'q': groups of 8 or 16 heads, one per kv head, D = 128, top_k <= 32; not with "
+                "FLASHMSA_BWD_ROWS=0)");
+  const bool dq_query_major = det && K <= 32 && !dq_kv_int32;
   // FLASHMSA_BACKWARD_PATH=wgmma: an error (before anything is allocated or written) unless the
   // wgmma kernel takes this problem -- how tests prove which kernel ran, since on small grids
   // both kernels can give the same bits.
   const bool takes_wgmma =
-      fold && p.D == 128 && wgmma_kv_applies(p) && (!det || dq_query_major || dq_kv_int64);
+      fold && p.D == 128 && wgmma_kv_applies(p) && (!det || dq_query_major || dq_kv_int32);
   // The wgmma kernel's dk/dv form follows G = Hp/Hkv; the plan's ownership must agree with it.
   if (takes_wgmma && (p.Hp > p.Hkv) == main_owned)
     throw Error("flashmsa: fused_backward: internal error: wgmma dk/dv ownership does not match the plan");
@@ -468,7 +465,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // The fast and deterministic wgmma forms with token-row tiles: their dq accumulator rows come
   // permuted (convert_acc_kernel's layouts 1 and 2). Deterministic mode takes them only with the
   // int64 dq (FLASHMSA_DET_DQ=query: the per-head DET form and the query-major dq).
-  const int token_rows = takes_wgmma && rows_shape && (!det || dq_kv_int64) ? m : 0;
+  const int token_rows = takes_wgmma && rows_shape && (!det || dq_kv_int32) ? m : 0;
   if (backward_rows_env("1") && token_rows == 0)
     throw Error("flashmsa: fused_backward: FLASHMSA_BWD_ROWS=1, but the token-row backward does not take this "
                 "problem (argument 'q': the wgmma backward with groups of 8 or 16 heads, one group per kv head; in "
@@ -484,7 +481,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   const int64_t n_dk = T * p.Hkv * p.D, n_dkp = T * p.Hpk * p.Dp;
   // The accumulators are zeroed together: keep them contiguous.
   const size_t o_acc_begin = ws.add(0);
-  const size_t o_dq = dq_query_major ? 0 : ws.add(n_dq * acc_elem);
+  const size_t o_dq = dq_query_major ? 0 : ws.add(n_dq * (dq_kv_int32 ? 4 : acc_elem));
   const size_t o_dqp = ws.add(n_dqp * acc_elem);
   const size_t o_dk = main_owned ? 0 : ws.add(n_dk * acc_elem);
   const size_t o_dv = main_owned ? 0 : ws.add(n_dk * acc_elem);
@@ -545,12 +542,13 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   else run(std::integral_constant<int, 128>{});
 
   // ---- outputs ----
-  auto convert = [&](const void* acc, int64_t n, int fx_index, void* out, int layout = 0) {
+  auto convert = [&](const void* acc, int64_t n, int fx_index, void* out, bool permuted = false,
+                     bool int32 = false) {
     convert_acc_kernel<<<grid_for(n, 256), 256, 0, stream>>>(acc, n, fx ? fx + fx_index : nullptr,
-                                                             static_cast<bf16*>(out), layout, p.H);
+                                                             static_cast<bf16*>(out), permuted, int32);
     FLASHMSA_CHECK_LAUNCH();
   };
-  if (!dq_query_major) convert(dq_acc, n_dq, 0, p.dq, token_rows == 0 ? 0 : det ? 2 : 1);
+  if (!dq_query_major) convert(dq_acc, n_dq, dq_kv_int32 ? 5 : 0, p.dq, token_rows > 0, dq_kv_int32);
   convert(ws.at<void>(o_dqp), n_dqp, 3, p.dqp);
   if (!main_owned) {
     convert(dk_acc, n_dk, 1, p.dk);
