@@ -237,7 +237,7 @@ void launch_student_lse(const MsaParams& p, cudaStream_t stream, const bwd::Inde
     return;
   }
   const int64_t nrow = static_cast<int64_t>(p.Hp) * p.T;
-  const int lse_smem = (kBlk + bwd::kTileTok) * D * 2 + bwd::kTileTok * 4;
+  const int lse_smem = (kBlk + 2 * bwd::kTileTok) * D * 2 + 2 * bwd::kTileTok * 4;  // Kp, 2 x (Qp, entries)
   set_smem(bwd::proxy_lse_kernel<D>, lse_smem);
   bwd::proxy_lse_kernel<D><<<static_cast<unsigned>(ix.NB) * p.Hp, 128, lse_smem, stream>>>(
       static_cast<const bf16*>(p.qp), static_cast<const bf16*>(p.kp), ix, p.Hp, p.Hpk, p.proxy_scale, part_max,
