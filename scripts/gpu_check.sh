@@ -30,6 +30,8 @@ run_stage() {  # name, command...: logs to $LOGS/<name>.log, remembers failures
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv
 export PYTHONPATH=$PWD/python FLASHMSA_TORCH_LIBRARY=$PWD/$BIN/_C.so PYTHONUNBUFFERED=1
+# The commit of the carried binaries (build_gpu_bundle.sh): carry $BIN/COMMIT with them.
+[ -z "${FLASHMSA_COMMIT:-}" ] && [ -f "$BIN/COMMIT" ] && export FLASHMSA_COMMIT=$(cat "$BIN/COMMIT")
 has tests && run_stage gpu_tests "$BIN/flashmsa_gpu_tests" --gtest_brief=1
 has sanitizer && run_stage sanitizer compute-sanitizer --tool memcheck --error-exitcode 9 \
   "$BIN/flashmsa_gpu_tests" --gtest_brief=1 --gtest_filter="${SANITIZER_FILTER:-*FewerVisible*:*LocalOnlyK1*:*ManyShort*:*OddHead*:CudaWarmup.GqaD64TwoSequences:*WgmmaPathGroupOf16K16*:*KlValueKvMajor*:*DeterministicDq*:*WgmmaKv*:*SharedKv*:*TokenRows*:*DeterministicWgmma*}"
