@@ -26,17 +26,17 @@
 //     Software pipelined by one product: step s+1's S^T (or S_p^T) is issued right behind step
 //     s's dQ (dqp) and runs under step s's staging; the stage is released (empty) once the bulk
 //     reduce-adds have read the staged rows (KL_ONLY and the per-head DET form, which stage
-//     nothing, and DET proxy steps: as soon as dV/dK (dkp) are done).
+//     nothing: as soon as dV/dK (dkp) are done).
 //   End: dK (times scale), dV to bf16 in dk/dv (SHARED_KV: added into dk_acc / dv_acc with 16-byte
 //   fp32 REDs, or int64 fixed-point ones with DET); the block's KL share into kl_part in a fixed order.
 // KL_ONLY (the forward's KL value, launch_kl_value in fused_backward.cu): only S^T, P^T, the
 // teacher sum and the KL terms of the above, K, Kp and Q / Qp loaded, no atomics at all.
 // DET (deterministic mode with top_k <= 32), per-head tiles: no dQ at all (the query-major
 // dq_kernel computes it without atomics), so a head step neither writes the dS tile nor joins its
-// two barriers; with token rows: dQ staged as int32 fixed point (see below the kernel's template
-// comment). dqp / dkp go out as int64 fixed-point atomics (integer adds commute: the sums do not
-// depend on the atomics' order). dK, dV (owned) and the KL share have a fixed order already; SHARED_KV's
-// dK, dV go out as fixed point too (factors fx[1], fx[2]).
+// two barriers; with token rows: dQ and dqp staged as int32 fixed point (see below the kernel's
+// template comment). dqp (per-head form) and dkp go out as int64 fixed-point atomics (integer
+// adds commute: the sums do not depend on the atomics' order). dK, dV (owned) and the KL share
+// have a fixed order already; SHARED_KV's dK, dV go out as fixed point too (factors fx[1], fx[2]).
 //
 // Operand orientation (every tile bf16, 64-column slabs of R rows x 128 B, 128-byte swizzle):
 //   S^T, dP^T, S_p^T : A = K/V/Kp rows 64w.. (K-major), B = Q/dO/Qp (K-major)
@@ -286,10 +286,10 @@ __device__ __forceinline__ void ss_tokens_by_keys(float (&acc)[32], uint32_t ds_
 // dQ (dq_acc is not read; the query-major dq_kernel writes dq), dqp / dkp as int64 fixed point with
 // the factors fx[3], fx[4]. Its head step retires dV / dK, releases the stage and issues the next
 // step's S^T at the same single call site as the full kernel, with nothing to wait for behind it.
-// DET with token rows (RM > 0) computes dQ as the fast form does, times the int32 fixed-point
-// factor fx[5], and stages it as int32 in the fast form's layout, each token's RM rows one bulk
-// reduce-add (.add.s32) into dq_acc read as int32 (the same bytes as the fast form's fp32);
-// its dqp stays on the int64 fixed-point atomics.
+// DET with token rows (RM > 0) computes dQ and dqp as the fast form does, times the int32
+// fixed-point factors fx[5], fx[6], and stages them as int32 in the fast form's layout (each
+// token's RM dQ rows one bulk reduce-add, .add.s32, dqp per row) into dq_acc / dqp_acc read as
+// int32: the fast form's bytes.
 // SHARED_KV = true (G = Hp/Hkv > 1 groups per kv head): the same loop; the epilogue adds dK, dV
 // into dk_acc / dv_acc instead of storing them. A template flag, not a runtime branch: the G = 1
 // instantiations run at the 240-register limit and must compile exactly as before. KL_ONLY needs
@@ -306,7 +306,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     float* __restrict__ dq_acc,    // [T, H, 128] fp32; DET: int32 (same layout) with RM > 0, else unused
     bf16* __restrict__ dk,         // [T, Hkv, 128] (owned: this CTA is the only writer of its rows)
     bf16* __restrict__ dv,         // [T, Hkv, 128]
-    FoldArgs fa,                   // with DET, dqp_acc / dkp_acc are int64 accumulators
+    FoldArgs fa,                   // with DET, dkp_acc (and dqp_acc unless RM > 0: int32) is int64
     const float* __restrict__ fx,  // [5] fixed-point factors (fixed_point_kernel), read only with DET
     void* __restrict__ dk_acc,     // [T, Hkv, 128] fp32 (int64 with DET), SHARED_KV only (else unused)
     void* __restrict__ dv_acc) {   // [T, Hkv, 128] fp32 (int64 with DET), SHARED_KV only
@@ -697,9 +697,6 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     // The stage (Q / Qp, dO, metadata) is no longer read: dQ / dqp read the dS tile and K / Kp.
     // The fast full kernel releases it later: its dQ / dqp rows are staged in it.
     if constexpr (KL_ONLY || (DET && RM == 0)) ::cuda::ptx::mbarrier_arrive(empty + st);
-    else if constexpr (DET) {
-      if (!head) ::cuda::ptx::mbarrier_arrive(empty + st);  // token rows: dqp leaves by atomics
-    }
 
     if constexpr (KL_ONLY) {
       // No dQ / dqp: the next step's first product at once.
@@ -712,17 +709,15 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     // DET, per-head tiles: dqp at proxy steps only, and its fixed-point atomics run BEFORE the
     // next step's S^T is issued: the int64 conversions need more registers than the fp32 REDs,
     // and with S^T's accumulator in flight ptxas spilled and serialised the wgmmas (C7512). One
-    // S^T per tile loses its overlap. With token rows (fewer live registers there) they run after
-    // it: compiled without spills or C75xx.
+    // S^T per tile loses its overlap. With token rows, dQ and dqp leave as int32 fixed point
+    // through the fast form's staging instead.
     float dq[32];
     if (!DET || RM > 0 || !head) {
       wgmma_fence();
       ss_tokens_by_keys(dq, ds_base, head ? k_base : kp_base, cw);
       wgmma_commit();
     }
-    // dqp's fixed-point atomics (DET): the per-head form runs them before the next S^T is issued;
-    // the token-row form after it, at the fast form's single wait, so that every step retires its
-    // dQ / dqp product at the same point (two waits on two paths made ptxas serialise, C7514).
+    // dqp's fixed-point atomics (the per-head DET form), before the next S^T is issued.
     auto dqp_fixed_point = [&]() {
       const float fx_qp = __ldg(fx + 3);
       const int64_t at_lo = (static_cast<int64_t>(t_lo < 0 ? 0 : t_lo) * Hp + p) * D + 64 * cw + 2 * c4;
@@ -744,12 +739,6 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     if constexpr (DET && RM == 0) continue;  // S^T of step s+1 stays in flight into the next step
     wgmma_wait<1>();  // dQ / dqp done
     wgmma_fence_operands(dq);
-    if constexpr (DET) {
-      if (!head) {  // token rows: dqp by fixed-point atomics; only head steps stage (int64 dQ)
-        dqp_fixed_point();
-        continue;
-      }
-    }
     // dQ / dqp leave through the stage they were computed from: each WG's 64 x 64 fp32 block is
     // stored to shared memory and every token row (256 bytes) bulk reduce-added into the fp32
     // accumulator by one thread (cp.reduce.async.bulk), instead of 8 per-thread 16-byte REDs
@@ -780,9 +769,9 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       unsigned char* const row_hi =
           (rows_step ? token_region((trow + 8) / kRm) + ((trow + 8) % kRm) * 512 + 256 * cw : stg_row(trow + 8)) + 8 * c4;
       if constexpr (DET) {
-        // Token rows, head step (proxy steps went on above): dQ times scale and the int32
-        // fixed-point factor fx[5], in the fast form's layout, added as .s32 below.
-        const float fx_q = __ldg(fx + 5);  // (dq * scale) * fx_q: fx_q alone may be up to 2^127
+        // Token rows: dQ (dqp) times scale (scale_p) and the int32 fixed-point factor fx[5]
+        // (fx[6]), in the fast form's layout, added as .s32 below.
+        const float fx_q = __ldg(fx + (head ? 5 : 6));  // (x * f) * fx_q: fx_q alone may be up to 2^127
         auto fixed = [&](float x) { return __float2int_rn(x * f * fx_q); };
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -810,8 +799,9 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       const bool issues = rows_step ? ct < kTileTok / kRm : (ct & 127) < kTileTok;
       float* const dst = red_base + (static_cast<int64_t>(max(t, 0)) * rows + hr) * D + (rows_step ? 0 : 64 * cw);
       if constexpr (DET)
-        wb_bulk_reduce_s32_if(issues && t >= 0, reinterpret_cast<int*>(dst), smem_u32(token_region(r % (kTileTok / kRm))),
-                              kRm * 512);
+        wb_bulk_reduce_s32_if(issues && t >= 0, reinterpret_cast<int*>(dst),
+                              smem_u32(rows_step ? token_region(r % (kTileTok / kRm)) : stg_row(r)),
+                              rows_step ? kRm * 512 : 64 * 4);
       else if constexpr (RM > 0)
         wb_bulk_reduce_if(issues && t >= 0, dst,
                           smem_u32(rows_step ? token_region(r % (kTileTok / kRm)) : stg_row(r)),

@@ -24,7 +24,8 @@
 // int64 accumulator, 4x the size of q and the largest one, is not allocated; on the token-row
 // shapes (groups of 8 / 16 heads, one per kv head) the wgmma DET form computes dq KV-major instead,
 // as int32 fixed point (at most top_k <= 32 adds per element: 30 bits under the bound leave room
-// for their roundings) through the fast form's bulk reduce-adds, in an accumulator of its size.
+// for their roundings) through the fast form's bulk reduce-adds, in an accumulator of its size;
+// dqp likewise.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -107,7 +108,7 @@ __global__ void merge_student_lse_kernel(const int32_t* __restrict__ block_idx, 
 __global__ void fixed_point_kernel(const unsigned int* __restrict__ amax_bits,  // [7]: q k v o dO qp kp
                                    float scale, float scale_p, int Dv, float T, float r,
                                    float hp_per_pk, float c_base, const float* __restrict__ kl_grad,
-                                   float* __restrict__ fx) {  // [6]: dq dk dv dqp dkp, dq as int32
+                                   float* __restrict__ fx) {  // [7]: dq dk dv dqp dkp, dq dqp as int32
   float a[7];
   for (int i = 0; i < 7; ++i) a[i] = __uint_as_float(amax_bits[i]);
   const float c = fabsf(c_base * (kl_grad ? *kl_grad : 1.f));
@@ -120,13 +121,14 @@ __global__ void fixed_point_kernel(const unsigned int* __restrict__ amax_bits,  
   // The token-row DET form's int32 dq: the same bound; at most top_k <= 32 adds per element (one
   // per selected block), so their roundings (<= 1/2 each) stay far inside 2^31 - 2^30.
   fx[5] = fixed_point_factor(scale * a[1] * ds_sum, 30);
+  fx[6] = fixed_point_factor(2.f * c * scale_p * a[6], 30);  // its dqp, likewise (<= top_k adds)
 }
 
 // ---- outputs ----------------------------------------------------------------------------------
 
 // permuted: acc is [T, H, 128] with H % 8 == 0 (so head & 7 == row & 7), and the wgmma
 // backward's token-row staging (RM > 0) stored each row's 32-byte column group j of either
-// 64-column half at j ^ (head & 7). int32: the token-row DET form's int32 fixed-point dq.
+// 64-column half at j ^ (head & 7). int32: the token-row DET form's int32 fixed-point dq, dqp.
 __global__ void convert_acc_kernel(const void* __restrict__ acc,  // [n] fp32, or int64 / int32 when fx
                                    int64_t n, const float* __restrict__ fx,  // factor or null
                                    bf16* __restrict__ out,                    // [n]
@@ -296,7 +298,7 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
     // Fast mode: fp32 atomics (fx == nullptr, dq_acc exists). Deterministic mode when dq is
     // query-major (top_k <= 32, dq_acc == nullptr): its DET form has no dQ and takes dqp / dkp
     // (and SHARED_KV's dk / dv) in int64 fixed point; or with token rows, where the DET form also
-    // stages dq as int32 fixed point (dq_acc int32, laid out as the fast form's fp32); with a dq
+    // stages dq and dqp as int32 fixed point (laid out as the fast form's fp32); with a dq
     // accumulator otherwise (K > 32) the mma.sync kernel keeps dq.
     if constexpr (D == 128) {
       // det: no dq here (query-major), or the token-row DET form's int32 dq.
@@ -439,8 +441,8 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   const bool rows_shape =
       fold && p.D == 128 && wgmma_kv_applies(p) && p.Hp == p.Hkv && (m == 8 || m == 16) && !backward_rows_env("0");
   // Deterministic mode's dq: on those tiles the DET form computes it KV-major as int32 fixed point
-  // (bulk .add.s32 of staged rows, order-independent; factor fx[5]), in an accumulator of the fast
-  // form's size (2 x size(q)); else the query-major dq_kernel (reads a token's selection one entry
+  // (bulk .add.s32 of staged rows, order-independent; factor fx[5]; dqp likewise, fx[6]), in an
+  // accumulator of the fast form's size (2 x size(q)); else the query-major dq_kernel (reads a token's selection one entry
   // per lane: K <= 32). The dense warm-up's all-blocks index (K > 32) keeps dq on the int64
   // fixed-point atomics.
   const bool dq_kv_int32 = det && rows_shape && K <= 32 && !det_dq_env("query");
@@ -482,7 +484,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // The accumulators are zeroed together: keep them contiguous.
   const size_t o_acc_begin = ws.add(0);
   const size_t o_dq = dq_query_major ? 0 : ws.add(n_dq * (dq_kv_int32 ? 4 : acc_elem));
-  const size_t o_dqp = ws.add(n_dqp * acc_elem);
+  const size_t o_dqp = ws.add(n_dqp * (dq_kv_int32 ? 4 : acc_elem));
   const size_t o_dk = main_owned ? 0 : ws.add(n_dk * acc_elem);
   const size_t o_dv = main_owned ? 0 : ws.add(n_dk * acc_elem);
   const size_t o_dkp = dkp_in_acc ? ws.add(n_dkp * acc_elem) : 0;
@@ -549,7 +551,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
     FLASHMSA_CHECK_LAUNCH();
   };
   if (!dq_query_major) convert(dq_acc, n_dq, dq_kv_int32 ? 5 : 0, p.dq, token_rows > 0, dq_kv_int32);
-  convert(ws.at<void>(o_dqp), n_dqp, 3, p.dqp);
+  convert(ws.at<void>(o_dqp), n_dqp, dq_kv_int32 ? 6 : 3, p.dqp, false, dq_kv_int32);
   if (!main_owned) {
     convert(dk_acc, n_dk, 1, p.dk);
     convert(dv_acc, n_dk, 2, p.dv);
