@@ -79,7 +79,7 @@
 // columns (the fp32 staging tile holds 64 int64 columns), each token's m rows of a pass one bulk
 // .add.u64 of m * 512 bytes into acc_o read as int64 [C][2 passes][m][64] (64-byte chunk j of a
 // row at j ^ (head & 7): conflict-free staging stores), acc_l int64 [C][m]. Twice the fp32 bytes:
-// the chunk holds half the tokens for the same L2 budget.
+// the chunk holds three quarters of the fast form's tokens in a 1.5x budget (kAccBudgetDet).
 //
 // Traffic per 64-row tile (4.2 MFLOP): 16 KB of Q in, 32 KB of fp32 O reduced out (12 KB per
 // (token, group, block) against the query-major 64 KB), plus 64 KB of K/V per work item (~16
@@ -135,6 +135,9 @@ constexpr int kConsumerThreads = 256;
 // m3/64k, H200: C = 1024 / 2048 / 4096 / 8192 -> forward 25.7 / 19.4 / 17.6 / 21.8 ms (8192: 64 MB,
 // past the L2).
 constexpr size_t kAccBudget = size_t{32} << 20;
+// The deterministic form's int64 accumulators (twice the bytes per token): 48 MB. m3/64k, H200,
+// two streams: C = 1024 / 1536 / 2048 per stream -> forward 26.1-26.3 / 25.3 / 25.7 ms.
+constexpr size_t kAccBudgetDet = size_t{48} << 20;
 constexpr float kOverflowLog2 = 64.f;
 constexpr float kOverflowLog2Det = 20.f;  // deterministic form: bounds the fixed-point range
 
@@ -750,10 +753,12 @@ int stream_count() {
 
 // FLASHMSA_FWD_CHUNK (tokens per chunk and stream; a multiple of 128, >= 128), read per call;
 // anything else (unset, malformed) gives the default: the S concurrent accumulators share
-// kAccBudget, so that all of them stay in L2 together (2048 tokens at m = 16, S = 2).
+// kAccBudget, so that all of them stay in L2 together (2048 tokens at m = 16, S = 2), or
+// kAccBudgetDet in deterministic mode (1536 tokens at m = 16, S = 2).
 int chunk_tokens(int m, int streams, bool det) {
   const size_t per_token = static_cast<size_t>(m) * kD * (det ? 8 : 4) * static_cast<size_t>(streams);
-  const int fallback = std::max(kBlk, static_cast<int>(kAccBudget / per_token / kBlk * kBlk));
+  const size_t budget = det ? kAccBudgetDet : kAccBudget;
+  const int fallback = std::max(kBlk, static_cast<int>(budget / per_token / kBlk * kBlk));
   const char* s = std::getenv("FLASHMSA_FWD_CHUNK");
   if (s == nullptr || *s == '\0') return fallback;
   char* end = nullptr;
