@@ -355,8 +355,8 @@ TEST(CudaBackward, DeterministicDqMatchesFastDq) {
 }
 
 // FLASHMSA_DET_DQ=kv is an error where the token-row DET form (int32 dq) does not run: groups of
-// 32 heads, and groups of 16 with FLASHMSA_BWD_ROWS=0; and FLASHMSA_BWD_ROWS=1 with
-// FLASHMSA_DET_DQ=query. (A TEST body cannot name Setup: gtest's Test::Setup hides it.)
+// 32 heads, and groups of 16 with FLASHMSA_BWD_ROWS=0; and FLASHMSA_BWD_ROWS=1 without
+// FLASHMSA_DET_DQ=kv (unset or =query: the query-major dq). (A TEST body cannot name Setup: gtest's Test::Setup hides it.)
 void expect_det_dq_env_error(const Shape& s, const char* det_dq, const char* rows) {
   Setup st;
   make_setup(st, s, 24, true, 1.f);
@@ -373,11 +373,12 @@ TEST(CudaBackward, DeterministicDqEnvErrors) {
   expect_det_dq_env_error(shape(32, 1, 1, 1, 128, 8, {300}), "kv", nullptr);
   expect_det_dq_env_error(shape(16, 1, 1, 1, 128, 8, {300}), "kv", "0");
   expect_det_dq_env_error(shape(16, 1, 1, 1, 128, 8, {300}), "query", "1");
+  expect_det_dq_env_error(shape(16, 1, 1, 1, 128, 8, {300}), nullptr, "1");
 }
 
 // Deterministic mode on the wgmma kernel's shapes (Hkv = Hp, D = 128, K <= 32) runs its DET form
-// (dqp / dkp in int64 fixed point; groups of 8 / 16 heads: token rows with dq staged as int32, else
-// no dQ beside the query-major dq): it must agree with the fast
+// (dkp, and dqp unless FLASHMSA_DET_DQ=kv puts groups of 8 / 16 heads on token rows with dq and dqp
+// staged as int32, in int64 fixed point; no dQ beside the query-major dq): it must agree with the fast
 // mode (fp32 atomics) and with the CPU, and give the same bits, all five gradients and kl, every run.
 void check_deterministic_wgmma(const Shape& s, uint64_t seed, float kl_grad) {
   Setup st;
@@ -578,13 +579,13 @@ void check_token_rows(const Shape& s, uint64_t seed) {
   compare(per_head, cpu, "per-head tiles");
   expect_close(rows, per_head, "token rows vs per-head tiles");
   expect_close(rows_again, rows, "token rows rerun");
-  // Deterministic mode takes the token-row tiles too (its DET form, dq staged as int64 fixed point
-  // and bulk reduce-added): bitwise over reruns, and close to the query-major dq of the per-head
-  // DET form (FLASHMSA_DET_DQ=query).
+  // Deterministic mode takes the token-row tiles with FLASHMSA_DET_DQ=kv (its DET form, dq and dqp
+  // staged as int32 fixed point and bulk reduce-added): bitwise over reruns, and close to the
+  // query-major dq of the per-head DET form (the default; FLASHMSA_DET_DQ=query names it).
   Grads det, det_query;
   {
     gputest::ScopedEnv rows_env("FLASHMSA_BWD_ROWS", "1");
-    gputest::ScopedEnv dq_env("FLASHMSA_DET_DQ", "kv");  // an error unless the int64 dq form runs
+    gputest::ScopedEnv dq_env("FLASHMSA_DET_DQ", "kv");  // an error unless the int32 dq form runs
     det = run_gpu(d, st, true);
     compare(det, cpu, "det token rows");
     expect_bitwise_reruns(d, st, det, 3, "det token rows");

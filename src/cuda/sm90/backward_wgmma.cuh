@@ -189,7 +189,7 @@ __device__ __forceinline__ void wb_bulk_reduce_if(bool ok, float* dst, uint32_t 
       : "memory");
 }
 
-// The same for int32 fixed-point rows (the token-row DET form's dq): integer adds commute, so
+// The same for int32 fixed-point rows (the token-row DET form's dq, dqp): integer adds commute, so
 // the deterministic form's sums do not depend on the order.
 __device__ __forceinline__ void wb_bulk_reduce_s32_if(bool ok, int* dst, uint32_t src_smem, uint32_t bytes) {
   const uint64_t gaddr = static_cast<uint64_t>(__cvta_generic_to_global(dst));
@@ -307,7 +307,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     bf16* __restrict__ dk,         // [T, Hkv, 128] (owned: this CTA is the only writer of its rows)
     bf16* __restrict__ dv,         // [T, Hkv, 128]
     FoldArgs fa,                   // with DET, dkp_acc (and dqp_acc unless RM > 0: int32) is int64
-    const float* __restrict__ fx,  // [5] fixed-point factors (fixed_point_kernel), read only with DET
+    const float* __restrict__ fx,  // [7] fixed-point factors (fixed_point_kernel), read only with DET
     void* __restrict__ dk_acc,     // [T, Hkv, 128] fp32 (int64 with DET), SHARED_KV only (else unused)
     void* __restrict__ dv_acc) {   // [T, Hkv, 128] fp32 (int64 with DET), SHARED_KV only
   static_assert(!(KL_ONLY && DET), "the KL value has no gradients to make deterministic");

@@ -103,8 +103,11 @@ __global__ void merge_student_lse_kernel(const int32_t* __restrict__ block_idx, 
 
 // ---- deterministic mode: fixed-point factors --------------------------------------------------
 
-// Bounds (see the derivation in docs/backward.md): with A_x = max|x|,
-//   |dS_main| summed over keys <= Dv*A_dO*(A_v + A_o);  sum_j |dS_proxy| <= 2|c|.
+// Bounds, with A_x = max|x|: a row's softmax weights P_j sum to 1, dS_j = P_j (dP_j - D_i) with
+// |dP_j| = |dO_i . v_j| <= Dv A_dO A_v and |D_i| = |dO_i . o_i| <= Dv A_dO A_o, so
+//   sum_j |dS_main| <= Dv*A_dO*(A_v + A_o);  sum_j |dS_proxy| = |c| sum_j |Qs_j - Tch_j| <= 2|c|;
+// dq = scale dS K then has |dq| <= scale A_k sum_j |dS|, and so on for the other gradients (dk, dv
+// summed over at most T r rows). Every partial sum of a gradient element obeys its bound too.
 __global__ void fixed_point_kernel(const unsigned int* __restrict__ amax_bits,  // [7]: q k v o dO qp kp
                                    float scale, float scale_p, int Dv, float T, float r,
                                    float hp_per_pk, float c_base, const float* __restrict__ kl_grad,
@@ -173,10 +176,9 @@ bool backward_rows_env(const char* value) {
   const char* v = std::getenv("FLASHMSA_BWD_ROWS");
   return v != nullptr && std::strcmp(v, value) == 0;
 }
-// FLASHMSA_DET_DQ=query keeps deterministic mode's dq on the query-major kernel (beside the
-// per-head DET form: the token-row DET form always computes dq) where the token-row DET form would
-// compute it as int32 (A/B timing); =kv makes it an error when that
-// form does not take the problem (tests). Read per call.
+// FLASHMSA_DET_DQ=kv: deterministic mode's dq and dqp from the token-row DET form as int32 fixed
+// point (opt-in: see launch_fused_backward), an error where that form does not take the problem;
+// unset or =query: the query-major dq beside the per-head DET form. Read per call.
 bool det_dq_env(const char* value) {
   const char* v = std::getenv("FLASHMSA_DET_DQ");
   return v != nullptr && std::strcmp(v, value) == 0;
@@ -328,6 +330,11 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
         return;
       }
     }
+    // The token-row accumulators (permuted fp32, or int32 with DET) exist for the wgmma kernel only;
+    // wgmma_kv_applies reads FLASHMSA_BACKWARD_PATH again above, so the plan is checked, not assumed.
+    if (token_rows > 0)
+      throw Error("flashmsa: fused_backward: internal error: token-row accumulators planned for the wgmma kernel, "
+                  "which did not run");
     constexpr int smem = bwd::attn_smem_bytes<D>() + bwd::fold_smem_bytes<D>();
     static_assert(smem <= 227 * 1024, "the folded backward must fit in one SM's shared memory");
     if (dq_acc) launch_attn(bwd::attn_bwd_kernel<D, true, true>, smem, fa);
@@ -440,12 +447,15 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // one group per kv head (G = 1).
   const bool rows_shape =
       fold && p.D == 128 && wgmma_kv_applies(p) && p.Hp == p.Hkv && (m == 8 || m == 16) && !backward_rows_env("0");
-  // Deterministic mode's dq: on those tiles the DET form computes it KV-major as int32 fixed point
-  // (bulk .add.s32 of staged rows, order-independent; factor fx[5]; dqp likewise, fx[6]), in an
-  // accumulator of the fast form's size (2 x size(q)); else the query-major dq_kernel (reads a token's selection one entry
-  // per lane: K <= 32). The dense warm-up's all-blocks index (K > 32) keeps dq on the int64
-  // fixed-point atomics.
-  const bool dq_kv_int32 = det && rows_shape && K <= 32 && !det_dq_env("query");
+  // Deterministic mode's dq: the query-major dq_kernel (reads a token's selection one entry per
+  // lane: K <= 32). With FLASHMSA_DET_DQ=kv, on those tiles, the DET form computes it KV-major as
+  // int32 fixed point (bulk .add.s32 of staged rows, order-independent; factor fx[5]; dqp likewise,
+  // fx[6]) in an accumulator of the fast form's size (2 x size(q)): +11% over the fast backward at
+  // m3/64k instead of +32%, but opt-in: the factor comes from a per-tensor bound (max|k|, max|dO|,
+  // ...), so with outlier key channels or dO rows far above the rest the resolution left for
+  // typical rows can approach msa.md's tolerance (a per-row factor is the fix in preparation).
+  // The dense warm-up's all-blocks index (K > 32) keeps dq on the int64 fixed-point atomics.
+  const bool dq_kv_int32 = det && rows_shape && K <= 32 && det_dq_env("kv");
   if (det_dq_env("kv") && det && !dq_kv_int32)
     throw Error("flashmsa: fused_backward: FLASHMSA_DET_DQ=kv, but the token-row DET form does not take this "
                 "problem (argument 'q': groups of 8 or 16 heads, one per kv head, D = 128, top_k <= 32; not with "
@@ -465,13 +475,13 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
                 "top_k <= 32 in deterministic mode)");
   const HeadItems dq_items = dq_query_major ? make_items(p, "fused_backward") : HeadItems{};
   // The fast and deterministic wgmma forms with token-row tiles: their dq accumulator rows come
-  // permuted (convert_acc_kernel's layouts 1 and 2). Deterministic mode takes them only with the
-  // int64 dq (FLASHMSA_DET_DQ=query: the per-head DET form and the query-major dq).
+  // permuted (convert_acc_kernel's `permuted`). Deterministic mode takes them only with the int32
+  // dq (FLASHMSA_DET_DQ=kv; else the per-head DET form and the query-major dq).
   const int token_rows = takes_wgmma && rows_shape && (!det || dq_kv_int32) ? m : 0;
   if (backward_rows_env("1") && token_rows == 0)
     throw Error("flashmsa: fused_backward: FLASHMSA_BWD_ROWS=1, but the token-row backward does not take this "
                 "problem (argument 'q': the wgmma backward with groups of 8 or 16 heads, one group per kv head; in "
-                "deterministic mode also top_k <= 32, an int64 dq of <= 16 GiB and not FLASHMSA_DET_DQ=query)");
+                "deterministic mode also top_k <= 32 and FLASHMSA_DET_DQ=kv)");
 
   Workspace ws;
   reserve_selection_index(sel, p, ws, stream);
