@@ -505,7 +505,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     const TokMeta& tm = meta[st];  // the full barrier of stage st was waited in wait_full(s)
     const uint32_t q_st = smem_u32(sQ + st * L::kTokTile);
     const int trow = 16 * wi + g4;  // this thread's token rows of dQ / dqp: trow, trow + 8
-    int t_lo = -1, t_hi = -1;  // DET: this thread's dqp rows (proxy steps)
+    int t_lo = -1, t_hi = -1;  // per-head DET form: this thread's dqp rows (proxy steps)
 
     if (head) {
       // ---------------------------------------------------------- head step
@@ -688,7 +688,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
         store_ds_frags(sdS, da, kr, c4);
         fence_proxy_async_shared();
         bar_sync(kBarDsReady, L::kConsumers);
-        if constexpr (DET) {
+        if constexpr (DET && RM == 0) {  // token rows stage dqp instead
           t_lo = tm.tok[trow];
           t_hi = tm.tok[trow + 8];
         }
