@@ -282,6 +282,7 @@ struct FoldArgs {
   int Hpk = 1;
   float scale_p = 1.f;
   float c_base = 0.f;    // kl_coeff / (Hp*T); times g gives the dS factor
+  const float* row_fx = nullptr;  // [T, H] the token-row DET form's per-row int32 dq factors, or null
 };
 
 // DQ = false: no dq here (the deterministic mode's query-major dq, backward_dq.cu). A template

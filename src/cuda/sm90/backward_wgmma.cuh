@@ -90,7 +90,11 @@ struct WgLayout {
   static constexpr int kStgInSlot = kTokTile / kStgPitch;  // 60
   static constexpr int kStgSpare = (kTileTok - kStgInSlot) * kStgPitch;
   static constexpr int oStgSpare = (oBar + (2 * kStages + 1) * 8 + 15) / 16 * 16;  // [2][4][272]
-  static constexpr int kBytes = oStgSpare + (KL_ONLY ? 0 : 2 * kStgSpare);
+  // The token-row DET form's per-row int32 dq factors of each stage's rows ([kStages][64] fp32),
+  // loaded with the stage (read by the full kernel's DET form only; last, so that the other
+  // regions keep their offsets).
+  static constexpr int oRowFx = oStgSpare + (KL_ONLY ? 0 : 2 * kStgSpare);
+  static constexpr int kBytes = oRowFx + (KL_ONLY ? 0 : kStages * kTileTok * 4);
   static constexpr int kSmem = kBytes + 1024;          // + alignment slack of the dynamic base
 };
 using WgBwd = WgLayout<false>;
@@ -286,10 +290,10 @@ __device__ __forceinline__ void ss_tokens_by_keys(float (&acc)[32], uint32_t ds_
 // dQ (dq_acc is not read; the query-major dq_kernel writes dq), dqp / dkp as int64 fixed point with
 // the factors fx[3], fx[4]. Its head step retires dV / dK, releases the stage and issues the next
 // step's S^T at the same single call site as the full kernel, with nothing to wait for behind it.
-// DET with token rows (RM > 0) computes dQ and dqp as the fast form does, times the int32
-// fixed-point factors fx[5], fx[6], and stages them as int32 in the fast form's layout (each
-// token's RM dQ rows one bulk reduce-add, .add.s32, dqp per row) into dq_acc / dqp_acc read as
-// int32: the fast form's bytes.
+// DET with token rows (RM > 0) computes dQ and dqp as the fast form does, times int32 fixed-point
+// factors (dQ: each row's own, fa.row_fx, loaded with the stage; dqp: fx[6]), and stages them as
+// int32 in the fast form's layout (each token's RM dQ rows one bulk reduce-add, .add.s32, dqp per
+// row) into dq_acc / dqp_acc read as int32: the fast form's bytes.
 // SHARED_KV = true (G = Hp/Hkv > 1 groups per kv head): the same loop; the epilogue adds dK, dV
 // into dk_acc / dv_acc instead of storing them. A template flag, not a runtime branch: the G = 1
 // instantiations run at the 240-register limit and must compile exactly as before. KL_ONLY needs
@@ -331,6 +335,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   unsigned char* sdS = smem + L::odS;   // [128 keys][64 tok] dS^T (or dS_p^T)
   float4* sTch = reinterpret_cast<float4*>(smem + L::oTch);     // [8][256] float4 teacher sums
   TokMeta* meta = reinterpret_cast<TokMeta*>(smem + L::oMeta);  // kStages; lse = student lse at proxy steps
+  float* row_fx_s = reinterpret_cast<float*>(smem + L::oRowFx);  // DET with RM > 0: [kStages][64]
   float* sRed = reinterpret_cast<float*>(smem + L::oRed);       // [8]
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::oBar);  // [kStages]
   uint64_t* empty = full + L::kStages;                           // [kStages]
@@ -423,6 +428,9 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
         }
         if (half == 0) cp_async_4(smem_u32(&tm.lse[row]), lse + static_cast<int64_t>(h) * ix.T + tt, ok);
         else if constexpr (!KL_ONLY) cp_async_4(smem_u32(&tm.aux[row]), di + tt * H + h, ok);
+        if constexpr (DET && RM > 0) {
+          if (half == 1) cp_async_4(smem_u32(row_fx_s + st * kTileTok + row), fa.row_fx + tt * H + h, ok);
+        }
       } else {
         const int64_t at = (tt * Hp + p) * D + 64 * half;
 #pragma unroll
@@ -769,14 +777,19 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       unsigned char* const row_hi =
           (rows_step ? token_region((trow + 8) / kRm) + ((trow + 8) % kRm) * 512 + 256 * cw : stg_row(trow + 8)) + 8 * c4;
       if constexpr (DET) {
-        // Token rows: dQ (dqp) times scale (scale_p) and the int32 fixed-point factor fx[5]
-        // (fx[6]), in the fast form's layout, added as .s32 below.
-        const float fx_q = __ldg(fx + (head ? 5 : 6));  // (x * f) * fx_q: fx_q alone may be up to 2^127
-        auto fixed = [&](float x) { return __float2int_rn(x * f * fx_q); };
+        // Token rows: dQ (dqp) times scale (scale_p) and its int32 fixed-point factor: the row's own
+        // (di_kernel, loaded with the stage) at a head step, fx[6] at a proxy step; in the fast
+        // form's layout, added as .s32 below. (x * f) * F: F alone may be up to 2^127.
+        const float fx_p = __ldg(fx + 6);
+        const float fx_lo = head ? row_fx_s[st * kTileTok + trow] : fx_p;
+        const float fx_hi = head ? row_fx_s[st * kTileTok + trow + 8] : fx_p;
+        auto fixed = [&](float x, float fxr) { return __float2int_rn(x * f * fxr); };
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          *reinterpret_cast<int2*>(row_lo + 32 * (j ^ perm)) = make_int2(fixed(dq[4 * j]), fixed(dq[4 * j + 1]));
-          *reinterpret_cast<int2*>(row_hi + 32 * (j ^ perm)) = make_int2(fixed(dq[4 * j + 2]), fixed(dq[4 * j + 3]));
+          *reinterpret_cast<int2*>(row_lo + 32 * (j ^ perm)) =
+              make_int2(fixed(dq[4 * j], fx_lo), fixed(dq[4 * j + 1], fx_lo));
+          *reinterpret_cast<int2*>(row_hi + 32 * (j ^ perm)) =
+              make_int2(fixed(dq[4 * j + 2], fx_hi), fixed(dq[4 * j + 3], fx_hi));
         }
       } else {
 #pragma unroll

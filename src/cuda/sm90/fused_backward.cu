@@ -59,23 +59,40 @@ static_assert(kBlk == kIndexBlk, "the shared selection index is built for the ba
 
 // ---- small per-row kernels ------------------------------------------------------------------
 
-// Di[t, h] = sum_d dO * O, one warp per row.
+// Di[t, h] = sum_d dO * O, one warp per row. With row_fx (the token-row DET form's int32 dq):
+// also the row's fixed-point factor, a power of two F with B F < 2^30 for the row's own bound
+// B = scale A_k (||dO||_1 A_v + |Di|) on |dq| (fixed_point_kernel's derivation with the row's dO
+// and Di instead of the tensor's maxima): a per-tensor bound would leave rows far below the
+// largest one (outlier key channels, uneven dO) too little resolution in 30 bits.
 __global__ void di_kernel(const bf16* __restrict__ o,    // [rows, Dv]
                           const bf16* __restrict__ d_o,  // [rows, Dv]
                           int64_t rows, int Dv,
-                          float* __restrict__ di) {      // [rows]
+                          float* __restrict__ di,        // [rows]
+                          const unsigned int* __restrict__ amax_bits = nullptr,  // [7] (k at 1, v at 2)
+                          float scale = 0.f,
+                          float* __restrict__ row_fx = nullptr) {  // [rows] or null
   const int64_t row = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (row >= rows) return;
   const __nv_bfloat162* o2 = reinterpret_cast<const __nv_bfloat162*>(o + row * Dv);
   const __nv_bfloat162* d2 = reinterpret_cast<const __nv_bfloat162*>(d_o + row * Dv);
-  float sum = 0.f;
+  float sum = 0.f, l1 = 0.f;
   for (int i = lane; i < Dv / 2; i += 32) {
     const float2 a = __bfloat1622float2(o2[i]), b = __bfloat1622float2(d2[i]);
     sum += a.x * b.x + a.y * b.y;
+    l1 += fabsf(b.x) + fabsf(b.y);
   }
-  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-  if (lane == 0) di[row] = sum;
+  for (int off = 16; off > 0; off >>= 1) {
+    sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+  }
+  if (lane == 0) {
+    di[row] = sum;
+    if (row_fx) {
+      const float a_k = __uint_as_float(amax_bits[1]), a_v = __uint_as_float(amax_bits[2]);
+      row_fx[row] = fixed_point_factor(scale * a_k * (l1 * a_v + fabsf(sum)), 30);
+    }
+  }
 }
 
 // The student's lse per (p, t) from the per-slot partials of proxy_lse_kernel.
@@ -112,7 +129,7 @@ __global__ void merge_student_lse_kernel(const int32_t* __restrict__ block_idx, 
 __global__ void fixed_point_kernel(const unsigned int* __restrict__ amax_bits,  // [7]: q k v o dO qp kp
                                    float scale, float scale_p, int Dv, float T, float r,
                                    float hp_per_pk, float c_base, const float* __restrict__ kl_grad,
-                                   float* __restrict__ fx) {  // [7]: dq dk dv dqp dkp, dq dqp as int32
+                                   float* __restrict__ fx) {  // [7]: dq dk dv dqp dkp, -, dqp as int32
   float a[7];
   for (int i = 0; i < 7; ++i) a[i] = __uint_as_float(amax_bits[i]);
   const float c = fabsf(c_base * (kl_grad ? *kl_grad : 1.f));
@@ -122,10 +139,10 @@ __global__ void fixed_point_kernel(const unsigned int* __restrict__ amax_bits,  
   fx[2] = fixed_point_factor(a[4] * T * r);
   fx[3] = fixed_point_factor(2.f * c * scale_p * a[6]);
   fx[4] = fixed_point_factor(2.f * c * scale_p * a[5] * T * hp_per_pk);
-  // The token-row DET form's int32 dq: the same bound; at most top_k <= 32 adds per element (one
-  // per selected block), so their roundings (<= 1/2 each) stay far inside 2^31 - 2^30.
-  fx[5] = fixed_point_factor(scale * a[1] * ds_sum, 30);
-  fx[6] = fixed_point_factor(2.f * c * scale_p * a[6], 30);  // its dqp, likewise (<= top_k adds)
+  // The token-row DET form's int32 dqp: at most top_k <= 32 adds per element (one per selected
+  // block), so their roundings (<= 1/2 each) stay far inside 2^31 - 2^30. (Its int32 dq takes a
+  // factor per row: di_kernel.)
+  fx[6] = fixed_point_factor(2.f * c * scale_p * a[6], 30);
 }
 
 // ---- outputs ----------------------------------------------------------------------------------
@@ -136,7 +153,8 @@ __global__ void fixed_point_kernel(const unsigned int* __restrict__ amax_bits,  
 __global__ void convert_acc_kernel(const void* __restrict__ acc,  // [n] fp32, or int64 / int32 when fx
                                    int64_t n, const float* __restrict__ fx,  // factor or null
                                    bf16* __restrict__ out,                    // [n]
-                                   bool permuted = false, bool int32 = false) {
+                                   bool permuted = false, bool int32 = false,
+                                   const float* __restrict__ row_fx = nullptr) {  // [n / 128]: per row
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     int64_t at = i;
@@ -149,7 +167,7 @@ __global__ void convert_acc_kernel(const void* __restrict__ acc,  // [n] fp32, o
     else {
       const double v = int32 ? static_cast<double>(reinterpret_cast<const int*>(acc)[at])
                              : static_cast<double>(reinterpret_cast<const long long*>(acc)[at]);
-      x = static_cast<float>(v / static_cast<double>(*fx));
+      x = static_cast<float>(v / static_cast<double>(row_fx ? row_fx[i >> 7] : *fx));
     }
     out[i] = __float2bfloat16_rn(x);
   }
@@ -177,9 +195,9 @@ bool backward_rows_env(const char* value) {
   const char* v = std::getenv("FLASHMSA_BWD_ROWS");
   return v != nullptr && std::strcmp(v, value) == 0;
 }
-// FLASHMSA_DET_DQ=kv: deterministic mode's dq and dqp from the token-row DET form as int32 fixed
-// point (opt-in: see launch_fused_backward), an error where that form does not take the problem;
-// unset or =query: the query-major dq beside the per-head DET form. Read per call.
+// FLASHMSA_DET_DQ=query: deterministic mode's dq from the query-major kernel (beside the per-head
+// DET form) where the token-row DET form would compute dq and dqp as int32 fixed point; =kv makes
+// it an error when that form does not take the problem (tests). Read per call.
 bool det_dq_env(const char* value) {
   const char* v = std::getenv("FLASHMSA_DET_DQ");
   return v != nullptr && std::strcmp(v, value) == 0;
@@ -262,8 +280,8 @@ void launch_kl_final(const MsaParams& p, cudaStream_t stream, const float* kl_pa
 template <int D>
 void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, const float* di,
                  float* part_max, float* part_sum, float* lse_s, void* dq_acc, void* dqp_acc,
-                 void* dk_acc, void* dv_acc, void* dkp_acc, const float* fx, float* kl_part,
-                 bool main_owned, bool kl_owned, int nseg, bool fold, int token_rows) {
+                 void* dk_acc, void* dv_acc, void* dkp_acc, const float* fx, const float* row_fx,
+                 float* kl_part, bool main_owned, bool kl_owned, int nseg, bool fold, int token_rows) {
   const auto* q = static_cast<const bf16*>(p.q);
   const auto* k = static_cast<const bf16*>(p.k);
   const auto* v = static_cast<const bf16*>(p.v);
@@ -294,6 +312,7 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
     fa.Hpk = p.Hpk;
     fa.scale_p = p.proxy_scale;
     fa.c_base = c_base;
+    fa.row_fx = row_fx;
     // The wgmma kernel (backward_wgmma.cuh) takes D = 128 (= Dv = Dp, check_supported) and
     // G = Hp/Hkv >= 1 whole proxy groups per kv head (wgmma_kv_applies). G = 1: dk/dv owned
     // (main_owned), stored as bf16. G > 1: its SHARED_KV form adds them into dk_acc / dv_acc, the
@@ -448,15 +467,14 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // one group per kv head (G = 1).
   const bool rows_shape =
       fold && p.D == 128 && wgmma_kv_applies(p) && p.Hp == p.Hkv && (m == 8 || m == 16) && !backward_rows_env("0");
-  // Deterministic mode's dq: the query-major dq_kernel (reads a token's selection one entry per
-  // lane: K <= 32). With FLASHMSA_DET_DQ=kv, on those tiles, the DET form computes it KV-major as
-  // int32 fixed point (bulk .add.s32 of staged rows, order-independent; factor fx[5]; dqp likewise,
-  // fx[6]) in an accumulator of the fast form's size (2 x size(q)): +11% over the fast backward at
-  // m3/64k instead of +32%, but opt-in: the factor comes from a per-tensor bound (max|k|, max|dO|,
-  // ...), so with outlier key channels or dO rows far above the rest the resolution left for
-  // typical rows can approach msa.md's tolerance (a per-row factor is the fix in preparation).
-  // The dense warm-up's all-blocks index (K > 32) keeps dq on the int64 fixed-point atomics.
-  const bool dq_kv_int32 = det && rows_shape && K <= 32 && det_dq_env("kv");
+  // Deterministic mode's dq: on those tiles the DET form computes it KV-major as int32 fixed point
+  // (bulk .add.s32 of staged rows, order-independent) with a factor per row (di_kernel: from the
+  // row's ||dO||_1, Di and max|k|, max|v|; a per-tensor bound left rows far below the largest one
+  // too little resolution), dqp likewise with its per-tensor factor fx[6], in accumulators of the
+  // fast form's size (2 x size(q)); else (FLASHMSA_DET_DQ=query, other shapes) the query-major
+  // dq_kernel (reads a token's selection one entry per lane: K <= 32). The dense warm-up's
+  // all-blocks index (K > 32) keeps dq on the int64 fixed-point atomics.
+  const bool dq_kv_int32 = det && rows_shape && K <= 32 && !det_dq_env("query");
   if (det_dq_env("kv") && det && !dq_kv_int32)
     throw Error("flashmsa: fused_backward: FLASHMSA_DET_DQ=kv, but the token-row DET form does not take this "
                 "problem (argument 'q': groups of 8 or 16 heads, one per kv head, D = 128, top_k <= 32; not with "
@@ -477,12 +495,12 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   const HeadItems dq_items = dq_query_major ? make_items(p, "fused_backward") : HeadItems{};
   // The fast and deterministic wgmma forms with token-row tiles: their dq accumulator rows come
   // permuted (convert_acc_kernel's `permuted`). Deterministic mode takes them only with the int32
-  // dq (FLASHMSA_DET_DQ=kv; else the per-head DET form and the query-major dq).
+  // dq (not with FLASHMSA_DET_DQ=query: the per-head DET form and the query-major dq).
   const int token_rows = takes_wgmma && rows_shape && (!det || dq_kv_int32) ? m : 0;
   if (backward_rows_env("1") && token_rows == 0)
     throw Error("flashmsa: fused_backward: FLASHMSA_BWD_ROWS=1, but the token-row backward does not take this "
                 "problem (argument 'q': the wgmma backward with groups of 8 or 16 heads, one group per kv head; in "
-                "deterministic mode also top_k <= 32 and FLASHMSA_DET_DQ=kv)");
+                "deterministic mode also top_k <= 32 and not FLASHMSA_DET_DQ=query)");
 
   Workspace ws;
   reserve_selection_index(sel, p, ws, stream);
@@ -502,31 +520,28 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   const size_t o_acc_end = ws.add(0);
   const size_t o_amax = det ? ws.add(8 * sizeof(unsigned int)) : 0;
   const size_t o_fx = det ? ws.add(8 * sizeof(float)) : 0;
+  const size_t o_row_fx = dq_kv_int32 ? ws.add(T * p.H * sizeof(float)) : 0;
   ws.allocate(stream);
 
   // ---- metadata and the inverted index ----
   const bwd::Index ix = make_index(p, sel, ws);
   build_selection_index(p, sel, ws, stream);
 
-  // ---- per-row terms ----
-  const int64_t rows = T * p.H;
-  di_kernel<<<grid_for(rows * 32, 256, INT_MAX), 256, 0, stream>>>(
-      static_cast<const bf16*>(p.o), static_cast<const bf16*>(p.d_o), rows, p.Dv, ws.at<float>(o_di));
-  FLASHMSA_CHECK_LAUNCH();
-
   FLASHMSA_CUDA_CHECK(cudaMemsetAsync(ws.at<void>(o_acc_begin), 0, o_acc_end - o_acc_begin, stream));
   const float* fx = nullptr;
+  unsigned int* amax = det ? ws.at<unsigned int>(o_amax) : nullptr;
   if (det) {
-    unsigned int* amax = ws.at<unsigned int>(o_amax);
     FLASHMSA_CUDA_CHECK(cudaMemsetAsync(amax, 0, 8 * sizeof(unsigned int), stream));
     const void* tensors[7] = {p.q, p.k, p.v, p.o, p.d_o, p.qp, p.kp};
     const int64_t sizes[7] = {T * p.H * p.D, T * p.Hkv * p.D, T * p.Hkv * p.Dv, T * p.H * p.Dv,
                               T * p.H * p.Dv, T * p.Hp * p.Dp, T * p.Hpk * p.Dp};
-    // Only the bounds of the accumulators that exist (fixed_point_kernel): dq needs k, v, o, dO;
-    // non-owned dk/dv need q, v, o, dO; dqp and dkp need kp and qp. Reading q, o and dO costs
-    // ~1 ms at m3/64k, so they are skipped when dq is query-major and dk/dv are owned.
-    const bool main_bounds = !dq_query_major || !main_owned;
-    const bool needed[7] = {!main_owned, !dq_query_major, main_bounds, main_bounds, main_bounds, true, true};
+    // Only the bounds of the accumulators that exist (fixed_point_kernel): an int64 dq needs k, v,
+    // o, dO; the int32 dq's per-row factors (di_kernel) k and v; non-owned dk/dv q, v, o, dO; dqp
+    // and dkp kp and qp. Reading q, o and dO costs ~1 ms at m3/64k, so they are skipped unless needed.
+    const bool dq_int64 = !dq_query_major && !dq_kv_int32;
+    const bool main_bounds = dq_int64 || !main_owned;
+    const bool needed[7] = {!main_owned, !dq_query_major, main_bounds || dq_kv_int32, main_bounds, main_bounds,
+                            true, true};
     for (int i = 0; i < 7; ++i) {
       if (!needed[i]) continue;  // its amax stays 0: the factors that use it are never read
       absmax_kernel<<<grid_for(sizes[i] / 8, 256, 4096), 256, 0, stream>>>(
@@ -540,6 +555,14 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
     fx = ws.at<float>(o_fx);
   }
 
+  // ---- per-row terms (after the maxima: the int32 dq's per-row factors use max|k|, max|v|) ----
+  const int64_t rows = T * p.H;
+  float* row_fx = dq_kv_int32 ? ws.at<float>(o_row_fx) : nullptr;
+  di_kernel<<<grid_for(rows * 32, 256, INT_MAX), 256, 0, stream>>>(
+      static_cast<const bf16*>(p.o), static_cast<const bf16*>(p.d_o), rows, p.Dv, ws.at<float>(o_di), amax,
+      p.scale, row_fx);
+  FLASHMSA_CHECK_LAUNCH();
+
   if (dq_query_major) launch_backward_dq(p, dq_items, ws.at<float>(o_di), stream);
   void* dq_acc = dq_query_major ? nullptr : ws.at<void>(o_dq);
   void* dk_acc = main_owned ? nullptr : ws.at<void>(o_dk);
@@ -548,7 +571,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   auto run = [&](auto tag) {
     constexpr int D = decltype(tag)::value;
     run_kernels<D>(p, stream, ix, ws.at<float>(o_di), ws.at<float>(o_pmax), ws.at<float>(o_psum),
-                   ws.at<float>(o_lse_s), dq_acc, ws.at<void>(o_dqp), dk_acc, dv_acc, dkp_acc, fx,
+                   ws.at<float>(o_lse_s), dq_acc, ws.at<void>(o_dqp), dk_acc, dv_acc, dkp_acc, fx, row_fx,
                    ws.at<float>(o_kl_part), main_owned, kl_owned, nseg, fold, token_rows);
   };
   if (p.D == 64) run(std::integral_constant<int, 64>{});
@@ -556,12 +579,12 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
 
   // ---- outputs ----
   auto convert = [&](const void* acc, int64_t n, int fx_index, void* out, bool permuted = false,
-                     bool int32 = false) {
+                     bool int32 = false, const float* per_row = nullptr) {
     convert_acc_kernel<<<grid_for(n, 256), 256, 0, stream>>>(acc, n, fx ? fx + fx_index : nullptr,
-                                                             static_cast<bf16*>(out), permuted, int32);
+                                                             static_cast<bf16*>(out), permuted, int32, per_row);
     FLASHMSA_CHECK_LAUNCH();
   };
-  if (!dq_query_major) convert(dq_acc, n_dq, dq_kv_int32 ? 5 : 0, p.dq, token_rows > 0, dq_kv_int32);
+  if (!dq_query_major) convert(dq_acc, n_dq, 0, p.dq, token_rows > 0, dq_kv_int32, row_fx);
   convert(ws.at<void>(o_dqp), n_dqp, dq_kv_int32 ? 6 : 3, p.dqp, false, dq_kv_int32);
   if (!main_owned) {
     convert(dk_acc, n_dk, 1, p.dk);
