@@ -1,6 +1,8 @@
 // msa.md's edge cases, one test each, on the CPU backend against the fp64 oracle.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
 #include <random>
 #include <string>
 
@@ -211,6 +213,30 @@ TEST(CpuEdge, DeterministicIsBitwiseReproducible) {
       same("kl (backward)", a.kl_bwd, b.kl_bwd);
     }
   }
+}
+
+// A NaN input reaches the outputs: a NaN in one element of q makes that row's o and lse NaN (its
+// scores are all NaN; the row is not taken for one without keys), and leaves every other row finite.
+// The outputs start at zero, so a NaN there was computed, not left unwritten.
+TEST(CpuEdge, NaNInputReachesOutputs) {
+  Case c = small_case(215);
+  c.lengths = {40};
+  c.opt.mode = Mode::sparse;
+  msatest::Problem pr = msatest::make_problem(c);
+  msatest::BackendOutputs clean = msatest::run_backend(pr, c);  // its selection (qp, kp only)
+  const int64_t T = 40, H = c.heads.H, D = c.heads.D, Dv = c.heads.Dv, t = 20, h = 1;
+  pr.q.set((t * H + h) * D + 3, std::numeric_limits<double>::quiet_NaN());
+  HostTensor o(DType::fp32, {T, H, Dv}), lse(DType::fp32, {H, T});
+  flashmsa::sparse_attention_forward(pr.views(), clean.block_idx.view(), c.opt, o.view(), lse.view());
+  for (int64_t d = 0; d < Dv; ++d) EXPECT_TRUE(std::isnan(o.get((t * H + h) * Dv + d))) << "o column " << d;
+  EXPECT_TRUE(std::isnan(lse.get(h * T + t))) << "lse " << lse.get(h * T + t);
+  int64_t non_finite_elsewhere = 0;
+  for (int64_t r = 0; r < T * H; ++r) {
+    if (r == t * H + h) continue;
+    for (int64_t d = 0; d < Dv; ++d) non_finite_elsewhere += !std::isfinite(o.get(r * Dv + d));
+    non_finite_elsewhere += !std::isfinite(lse.get((r % H) * T + r / H));
+  }
+  EXPECT_EQ(non_finite_elsewhere, 0);
 }
 
 }  // namespace

@@ -117,7 +117,7 @@ void attention_backward(const MsaParams& p, const Layout& lay, Team& team, bool 
         }
       }
       for (int64_t i = 0; i < tt; ++i)
-        lse_s[hp * T + t0 + i] = s.ls[i] > 0.f ? s.ms[i] + std::log(s.ls[i]) : kNegInf;
+        lse_s[hp * T + t0 + i] = s.ls[i] > 0.f || std::isnan(s.ls[i]) ? s.ms[i] + std::log(s.ls[i]) : kNegInf;
     });
   }
 

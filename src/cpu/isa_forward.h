@@ -247,7 +247,9 @@ void attention_forward(const MsaParams& p, const Layout& lay, Team& team, bool d
         for (int r = 0; r < m; ++r) {
           const int64_t R = i * m + r;
           const int h = hb + r;
-          if (l[R] > 0.f) {
+          // A NaN sum (a non-finite input: max_masked skips NaN scores, the exponentials do not) is
+          // carried into o and lse like any other value, not taken for an empty row.
+          if (l[R] > 0.f || std::isnan(l[R])) {
             const float inv = 1.f / l[R];
             for (int64_t d = 0; d < Dv; ++d) row[d] = acc[R * Dvp + d] * inv;
             lse_r[R] = mx[R] + std::log(l[R]);
@@ -258,7 +260,7 @@ void attention_forward(const MsaParams& p, const Layout& lay, Team& team, bool d
           store_f32(row, Dv, p.o, p.dtype, (t * H + h) * Dv);
           p.lse[h * T + t] = lse_r[R];
         }
-        sc.lse_s[i] = sc.ls[i] > 0.f ? sc.ms[i] + std::log(sc.ls[i]) : kNegInf;
+        sc.lse_s[i] = sc.ls[i] > 0.f || std::isnan(sc.ls[i]) ? sc.ms[i] + std::log(sc.ls[i]) : kNegInf;
         sc.kl[i] = 0.f;
       }
       if (!want_kl) continue;

@@ -935,8 +935,9 @@ class StreamFork {
 // The deterministic form's fixed-point factors from max|v| (bits in fx[0]): kept terms
 // P <= 2^kOverflowLog2Det, a row has at most K blocks x 128 keys of them, bf16(P) <= 2 P.
 // fx: [4] = max|v| (float bits), fx_o, fx_l, max(|q|, |k|) (float bits). A non-finite q, k or v
-// makes both factors NaN: o and lse then come out NaN, as the fast form's would, instead of the
-// finite garbage of integer sums over NaN terms.
+// makes both factors NaN: every row's l is then NaN, finprep flags it (not l >= 2^-8) and the
+// query-major kernel recomputes it, carrying the NaN exactly where the fast form would, instead of
+// the finite garbage of integer sums over NaN terms (a slow path, taken only for such inputs).
 __global__ void kvw_det_factors_kernel(int K, float* __restrict__ fx) {
   const float l_bound = ldexpf(static_cast<float>(K) * kBlk, static_cast<int>(kOverflowLog2Det));
   fx[1] = fixed_point_factor(2.f * l_bound * fx[0]);  // fx[0]: non-negative float bits read as a float

@@ -69,7 +69,8 @@ __global__ void di_kernel(const bf16* __restrict__ o,    // [rows, Dv]
                           float* __restrict__ di,        // [rows]
                           const unsigned int* __restrict__ amax_bits = nullptr,  // [7] (k at 1, v at 2)
                           float scale = 0.f,
-                          float* __restrict__ row_fx = nullptr) {  // [rows] or null
+                          float* __restrict__ row_fx = nullptr,  // [rows] or null
+                          const float* __restrict__ fx = nullptr) {  // fixed_point_kernel's, with row_fx
   const int64_t row = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (row >= rows) return;
@@ -89,7 +90,9 @@ __global__ void di_kernel(const bf16* __restrict__ o,    // [rows, Dv]
     di[row] = sum;
     if (row_fx) {
       const float a_k = __uint_as_float(amax_bits[1]), a_v = __uint_as_float(amax_bits[2]);
-      row_fx[row] = fixed_point_factor(scale * a_k * (l1 * a_v + fabsf(sum)), 30);
+      // fx[5] is NaN when any input was non-finite (fixed_point_kernel): every row's factor then too,
+      // as a non-finite q or lse can leave this row's dO and o finite.
+      row_fx[row] = isnan(fx[5]) ? fx[5] : fixed_point_factor(scale * a_k * (l1 * a_v + fabsf(sum)), 30);
     }
   }
 }
@@ -128,7 +131,7 @@ __global__ void merge_student_lse_kernel(const int32_t* __restrict__ block_idx, 
 __global__ void fixed_point_kernel(const unsigned int* __restrict__ amax_bits,  // [7]: q k v o dO qp kp
                                    float scale, float scale_p, int Dv, float T, float r,
                                    float hp_per_pk, float c_base, const float* __restrict__ kl_grad,
-                                   float* __restrict__ fx) {  // [7]: dq dk dv dqp dkp, -, dqp as int32
+                                   float* __restrict__ fx) {  // [7]: dq dk dv dqp dkp, poison, dqp as int32
   float a[7];
   bool finite = true;  // every input whose maximum was taken (the others read 0)
   for (int i = 0; i < 7; ++i) {
@@ -148,6 +151,8 @@ __global__ void fixed_point_kernel(const unsigned int* __restrict__ amax_bits,  
   fx[6] = fixed_point_factor(2.f * c * scale_p * a[6], 30);
   // A non-finite input (or kl_grad) makes every fixed-point gradient NaN, not only those whose
   // bound it enters: q or k non-finite poisons P and the teacher, hence dqp and dkp too.
+  // fx[5]: 0, or NaN as that marker (di_kernel reads it for the int32 dq's per-row factors).
+  fx[5] = 0.f;
   if (!finite || !isfinite(c))
     for (int i = 0; i < 7; ++i) fx[i] = __int_as_float(0x7fc00000);
 }
@@ -569,7 +574,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   float* row_fx = dq_kv_int32 ? ws.at<float>(o_row_fx) : nullptr;
   di_kernel<<<grid_for(rows * 32, 256, INT_MAX), 256, 0, stream>>>(
       static_cast<const bf16*>(p.o), static_cast<const bf16*>(p.d_o), rows, p.Dv, ws.at<float>(o_di), amax,
-      p.scale, row_fx);
+      p.scale, row_fx, fx);
   FLASHMSA_CHECK_LAUNCH();
 
   if (dq_query_major) launch_backward_dq(p, dq_items, ws.at<float>(o_di), stream);
