@@ -668,18 +668,20 @@ TEST(CudaBackward, DeterministicDqHeavyTails) {
 
 // A NaN in one element of q or of v: the fast backward's gradients carry non-finite values; the
 // deterministic ones must too (integer sums over NaN terms would be finite garbage: the fixed-point
-// factors turn NaN instead), on the token-row int32 form and with the query-major dq.
+// factors turn NaN instead), on the token-row int32 form and with the query-major dq. The q case
+// puts the NaN in after the forward (o, lse and dO stay finite, as when a caller's q changes between
+// the calls): the int32 dq's per-row factors must then take the tensor-wide NaN marker.
 void check_nonfinite_input(const Shape& s, uint64_t seed, bool in_v) {
   Setup st;
   make_setup(st, s, seed, true, 1.f, [&](Setup& x) {
-    if (in_v) {
-      x.pr.v[(static_cast<size_t>(150) * s.Hkv) * s.D + 9] = 0x7fc0;  // bf16 quiet NaN, key 150
-      x.pr.dv.upload(x.pr.v);
-    } else {
-      x.pr.q[(static_cast<size_t>(100) * s.H + 3) * s.D + 7] = 0x7fc0;  // token 100, head 3
-      x.pr.dq.upload(x.pr.q);
-    }
+    if (!in_v) return;
+    x.pr.v[(static_cast<size_t>(150) * s.Hkv) * s.D + 9] = 0x7fc0;  // bf16 quiet NaN, key 150
+    x.pr.dv.upload(x.pr.v);
   });
+  if (!in_v) {
+    st.pr.q[(static_cast<size_t>(100) * s.H + 3) * s.D + 7] = 0x7fc0;  // token 100, head 3
+    st.pr.dq.upload(st.pr.q);
+  }
   DeviceSide d;
   upload(d, st);
   const Grads fast = run_gpu(d, st, false);

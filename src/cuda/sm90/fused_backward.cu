@@ -91,7 +91,8 @@ __global__ void di_kernel(const bf16* __restrict__ o,    // [rows, Dv]
     if (row_fx) {
       const float a_k = __uint_as_float(amax_bits[1]), a_v = __uint_as_float(amax_bits[2]);
       // fx[5] is NaN when any input was non-finite (fixed_point_kernel): every row's factor then too,
-      // as a non-finite q or lse can leave this row's dO and o finite.
+      // as a non-finite q or k can leave this row's dO and o finite. (lse is not checked: a NaN or
+      // +inf lse with finite inputs still gives finite values here.)
       row_fx[row] = isnan(fx[5]) ? fx[5] : fixed_point_factor(scale * a_k * (l1 * a_v + fabsf(sum)), 30);
     }
   }
