@@ -216,8 +216,9 @@ TEST(CpuEdge, DeterministicIsBitwiseReproducible) {
 }
 
 // A NaN input reaches the outputs: a NaN in one element of q makes that row's o and lse NaN (its
-// scores are all NaN; the row is not taken for one without keys), and leaves every other row finite.
-// The outputs start at zero, so a NaN there was computed, not left unwritten.
+// scores are all NaN; the row is not taken for one without keys), and leaves every other row finite;
+// the backward carries it on. The outputs start at zero, so a NaN there was computed, not left
+// unwritten.
 TEST(CpuEdge, NaNInputReachesOutputs) {
   Case c = small_case(215);
   c.lengths = {40};
@@ -237,6 +238,25 @@ TEST(CpuEdge, NaNInputReachesOutputs) {
     non_finite_elsewhere += !std::isfinite(lse.get((r % H) * T + r / H));
   }
   EXPECT_EQ(non_finite_elsewhere, 0);
+
+  // ... and the backward's gradients: that row's dq, the dk / dv of the keys it attends, and the
+  // KL value (its teacher row is NaN). The gradients start at zero too.
+  const auto& hd = c.heads;
+  HostTensor dq(DType::fp32, {T, H, D}), dk(DType::fp32, {T, hd.Hkv, D}), dv(DType::fp32, {T, hd.Hkv, Dv}),
+      dqp(DType::fp32, {T, hd.Hp, hd.Dp}), dkp(DType::fp32, {T, hd.Hpk, hd.Dp}), kl(DType::fp32, {1});
+  flashmsa::fused_backward(pr.views(), clean.block_idx.view(), o.view(), lse.view(), pr.d_o_t.view(),
+                           flashmsa::TensorView(), c.opt,
+                           flashmsa::Gradients{dq.view(), dk.view(), dv.view(), dqp.view(), dkp.view()},
+                           kl.view());
+  for (int64_t d = 0; d < D; ++d) EXPECT_TRUE(std::isnan(dq.get((t * H + h) * D + d))) << "dq column " << d;
+  auto count_non_finite = [](const HostTensor& x) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < x.numel(); ++i) n += !std::isfinite(x.get(i));
+    return n;
+  };
+  EXPECT_GT(count_non_finite(dk), 0);
+  EXPECT_GT(count_non_finite(dv), 0);
+  EXPECT_TRUE(std::isnan(kl.get(0))) << "kl " << kl.get(0);
 }
 
 }  // namespace

@@ -73,6 +73,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // exp(x) to about 2 ulp for x in [-87.3, 88]; below that exactly 0 (so exp(-inf) = 0, and
 // masked logits vanish without a separate select). Cody-Waite reduction, degree-6 polynomial.
 FLASHMSA_VINLINE vf vexp(vf x) {
+  const vi nan = x != x;  // carried through: the clamps below would turn a NaN into a finite value
+  const vf x_in = x;
   const vi under = x < vset1(-87.33654f);
   x = vmax(x, vset1(-87.33654f));
   x = vselect(x > vset1(88.0f), vset1(88.0f), x);
@@ -91,7 +93,7 @@ FLASHMSA_VINLINE vf vexp(vf x) {
   y = y * (x * x) + x + 1.0f;
   const vi pow2 = (n + 127) << 23;
   y = y * as_f(pow2);
-  return vselect(under, vset1(0.f), y);
+  return vselect(nan, x_in, vselect(under, vset1(0.f), y));
 }
 
 // Natural log for positive normal x (callers never pass zero, subnormals or negatives).
@@ -225,10 +227,12 @@ inline void online_normaliser_add(const float* s, int64_t w, int64_t valid, floa
 }
 
 // KL lanes te * (log te - log_q) for teacher probabilities te: zero where the lane is masked
-// or te is zero or subnormal (0 log 0 = 0; vlog only takes positive normals).
+// or te is zero or subnormal (0 log 0 = 0; vlog only takes positive normals); a NaN te (from a
+// non-finite input) is carried through.
 FLASHMSA_VINLINE vf kl_lanes(vi mask, vf te, vf log_q) {
   const vi pos = mask & (te >= vset1(std::numeric_limits<float>::min()));
-  return vselect(pos, te * (vlog(vselect(pos, te, vset1(1.f))) - log_q), vset1(0.f));
+  const vi nan = mask & (te != te);
+  return vselect(nan, te, vselect(pos, te * (vlog(vselect(pos, te, vset1(1.f))) - log_q), vset1(0.f)));
 }
 
 // ---------------------------------------------------------------------------------------------

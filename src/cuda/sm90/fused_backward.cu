@@ -12,8 +12,9 @@
 //      group lies inside one kv head, one attn_bwd_kernel (FOLD = true) does both (see the kernels);
 //      when D = 128 (and groups of m >= 2 heads), the wgmma version of that folded kernel does
 //      (backward_wgmma.cuh; FLASHMSA_BACKWARD_PATH=mma forces the old one), in deterministic mode
-//      only with top_k <= 32 (its DET form: with token rows it computes dq as int32 fixed point,
-//      else beside the query-major dq); with G > 1 groups per kv head its SHARED_KV form adds dk/dv into the same accumulators as the mma kernel;
+//      only with top_k <= 32 (its DET form: with token rows and FLASHMSA_DET_DQ=kv it computes dq
+//      as int32 fixed point, else beside the query-major dq); with G > 1 groups per kv head its
+//      SHARED_KV form adds dk/dv into the same accumulators as the mma kernel;
 //   5. accumulators -> bf16, the KL sum -> kl.
 // launch_kl_value (the forward's KL value, kl_value.cuh) runs steps 2, 3 (student lse only) and
 // the wgmma kernel's KL_ONLY form, then the same KL sum.
