@@ -666,6 +666,47 @@ TEST(CudaBackward, DeterministicDqHeavyTails) {
   check_heavy_tails(shape(16, 1, 1, 1, 128, 8, {1800, 500}), 52, 777);
 }
 
+// A NaN in one element of q or of v: the fast backward's gradients carry non-finite values; the
+// deterministic ones must too (integer sums over NaN terms would be finite garbage: the fixed-point
+// factors turn NaN instead), on the token-row int32 form and with the query-major dq. The q case
+// puts the NaN in after the forward (o, lse and dO stay finite, as when a caller's q changes between
+// the calls): the int32 dq's per-row factors must then take the tensor-wide NaN marker.
+void check_nonfinite_input(const Shape& s, uint64_t seed, bool in_v) {
+  Setup st;
+  make_setup(st, s, seed, true, 1.f, [&](Setup& x) {
+    if (!in_v) return;
+    x.pr.v[(static_cast<size_t>(150) * s.Hkv) * s.D + 9] = 0x7fc0;  // bf16 quiet NaN, key 150
+    x.pr.dv.upload(x.pr.v);
+  });
+  if (!in_v) {
+    st.pr.q[(static_cast<size_t>(100) * s.H + 3) * s.D + 7] = 0x7fc0;  // token 100, head 3
+    st.pr.dq.upload(st.pr.q);
+  }
+  DeviceSide d;
+  upload(d, st);
+  const Grads fast = run_gpu(d, st, false);
+  for (const char* dq_env : {static_cast<const char*>(nullptr), "query"}) {
+    gputest::ScopedEnv env("FLASHMSA_DET_DQ", dq_env);
+    const Grads det = run_gpu(d, st, true);
+    const char* names[5] = {"dq", "dk", "dv", "dqp", "dkp"};
+    const std::vector<double>* a[5] = {&det.dq, &det.dk, &det.dv, &det.dqp, &det.dkp};
+    const std::vector<double>* b[5] = {&fast.dq, &fast.dk, &fast.dv, &fast.dqp, &fast.dkp};
+    for (int i = 0; i < 5; ++i) {
+      const int64_t nf_fast = gputest::count_nonfinite(*b[i]), nf_det = gputest::count_nonfinite(*a[i]);
+      std::printf("  NaN in %s, DET_DQ=%s: %-4s non-finite fast %lld det %lld\n", in_v ? "v" : "q",
+                  dq_env ? dq_env : "(unset)", names[i], static_cast<long long>(nf_fast),
+                  static_cast<long long>(nf_det));
+      if (nf_fast > 0) EXPECT_GT(nf_det, 0) << names[i] << ": deterministic gradient finite where the fast one is not";
+    }
+  }
+}
+
+TEST(CudaBackward, DeterministicNonFiniteInput) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_nonfinite_input(shape(16, 1, 1, 1, 128, 8, {700, 300}), 53, /*in_v=*/false);
+  check_nonfinite_input(shape(16, 1, 1, 1, 128, 8, {700, 300}), 54, /*in_v=*/true);
+}
+
 TEST(CudaBackward, KlValueSharedKvHead) {
   GPUTEST_REQUIRE_DEVICE();
   check_kl_value_shared_kv(shape(16, 2, 4, 1, 128, 16, {0, 2200, 1, 333}), 34);

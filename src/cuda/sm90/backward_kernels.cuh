@@ -217,7 +217,7 @@ __device__ __forceinline__ void accumulate_key_side_cols(float (&acc)[NC / 8][4]
 // operations). Needs the whole warp, 16-byte aligned rows. Fixed-point mode: element atomics.
 __device__ __forceinline__ void acc_add_tile(void* base, int64_t at_lo, int64_t at_hi, bool ok_lo, bool ok_hi,
                                              float x0, float x1, float y0, float y1, float fx, int c4) {
-  if (fx > 0.f) {
+  if (fx != 0.f) {  // the fixed-point path (a NaN fx too: see acc_add)
     if (ok_lo) acc_add2(base, at_lo, x0, x1, fx);
     if (ok_hi) acc_add2(base, at_hi, y0, y1, fx);
     return;

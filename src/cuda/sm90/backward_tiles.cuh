@@ -90,11 +90,12 @@ __device__ __forceinline__ void store_pair_64(unsigned char* tile, int row, int 
 }
 
 // ---- accumulation into global buffers shared by several CTAs --------------------------------
-// fx == 0: fp32 atomics (fast, order-dependent rounding). fx > 0: the value times fx (a power
+// fx == 0: fp32 atomics (fast, order-dependent rounding). Otherwise: the value times fx (a power
 // of two chosen so the whole sum fits in 62 bits) is rounded to int64 and added with integer
-// atomics, which are associative: the result is bitwise independent of the order.
+// atomics, which are associative: the result is bitwise independent of the order. (fx is NaN
+// after a non-finite input: it stays on the integer path, and the output, divided by fx, is NaN.)
 __device__ __forceinline__ void acc_add(void* base, int64_t i, float x, float fx) {
-  if (fx > 0.f)
+  if (fx != 0.f)
     atomicAdd(reinterpret_cast<unsigned long long*>(base) + i,
               static_cast<unsigned long long>(__float2ll_rn(x * fx)));
   else
@@ -103,7 +104,7 @@ __device__ __forceinline__ void acc_add(void* base, int64_t i, float x, float fx
 
 // Two adjacent elements (i even): one vector fp32 atomic (sm_90) in the fast mode.
 __device__ __forceinline__ void acc_add2(void* base, int64_t i, float x0, float x1, float fx) {
-  if (fx > 0.f) {
+  if (fx != 0.f) {
     acc_add(base, i, x0, fx);
     acc_add(base, i + 1, x1, fx);
   } else {

@@ -779,7 +779,7 @@ struct KvwPlan {
   size_t o_items = 0, o_counts = 0;           // items [Hp, items_per_group]; n_items, counters [Hp, chunks] each
   size_t o_acc = 0, acc_stride = 0;  // S chunk accumulators {acc_o, acc_l, mref}, acc_stride bytes apart
   size_t d_acc_l = 0, d_mref = 0;    // offsets of acc_l and mref inside one accumulator
-  size_t o_fx = 0;                   // deterministic form: max|v| bits, then fx_o, fx_l
+  size_t o_fx = 0;                   // deterministic form: max|v| bits, fx_o, fx_l, max(|q|, |k|) bits
 };
 
 // Sizes and chunk ranges from the host copy of cu_seqlens (O(B + chunks log B) host work).
@@ -934,10 +934,15 @@ class StreamFork {
 
 // The deterministic form's fixed-point factors from max|v| (bits in fx[0]): kept terms
 // P <= 2^kOverflowLog2Det, a row has at most K blocks x 128 keys of them, bf16(P) <= 2 P.
-__global__ void kvw_det_factors_kernel(int K, float* __restrict__ fx) {  // [4]: amax bits, fx_o, fx_l
+// fx: [4] = max|v| (float bits), fx_o, fx_l, max(|q|, |k|) (float bits). A non-finite q, k or v
+// makes both factors NaN: every row's l is then NaN, finprep flags it (not l >= 2^-8) and the
+// query-major kernel recomputes it, carrying the NaN exactly where the fast form would, instead of
+// the finite garbage of integer sums over NaN terms (a slow path, taken only for such inputs).
+__global__ void kvw_det_factors_kernel(int K, float* __restrict__ fx) {
   const float l_bound = ldexpf(static_cast<float>(K) * kBlk, static_cast<int>(kOverflowLog2Det));
   fx[1] = fixed_point_factor(2.f * l_bound * fx[0]);  // fx[0]: non-negative float bits read as a float
   fx[2] = fixed_point_factor(l_bound);
+  if (!isfinite(fx[0]) || !isfinite(fx[3])) fx[1] = fx[2] = __int_as_float(0x7fc00000);
 }
 
 template <int M, bool DET>
@@ -970,10 +975,16 @@ void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
     const float* fx = nullptr;  // DET: {fx_o, fx_l}
     if constexpr (DET) {
       float* f = ws.at<float>(pl.o_fx);
-      FLASHMSA_CUDA_CHECK(cudaMemsetAsync(f, 0, sizeof(float), stream));
+      FLASHMSA_CUDA_CHECK(cudaMemsetAsync(f, 0, 4 * sizeof(float), stream));
       const int64_t n8 = p.T * p.Hkv * kD / 8;
       absmax_kernel<<<grid_for(n8, 256, 4096), 256, 0, stream>>>(static_cast<const bf16*>(p.v), n8,
                                                                 reinterpret_cast<unsigned int*>(f));
+      FLASHMSA_CHECK_LAUNCH();
+      // q and k only to catch non-finite values (one more pass over q: ~0.35 ms at m3/64k).
+      const int64_t nq8 = p.T * p.H * kD / 8;
+      absmax_kernel<<<grid_for(nq8, 256, 4096), 256, 0, stream>>>(q, nq8, reinterpret_cast<unsigned int*>(f + 3));
+      FLASHMSA_CHECK_LAUNCH();
+      absmax_kernel<<<grid_for(n8, 256, 4096), 256, 0, stream>>>(k, n8, reinterpret_cast<unsigned int*>(f + 3));
       FLASHMSA_CHECK_LAUNCH();
       kvw_det_factors_kernel<<<1, 1, 0, stream>>>(p.top_k, f);
       FLASHMSA_CHECK_LAUNCH();

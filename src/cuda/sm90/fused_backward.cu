@@ -70,7 +70,8 @@ __global__ void di_kernel(const bf16* __restrict__ o,    // [rows, Dv]
                           float* __restrict__ di,        // [rows]
                           const unsigned int* __restrict__ amax_bits = nullptr,  // [7] (k at 1, v at 2)
                           float scale = 0.f,
-                          float* __restrict__ row_fx = nullptr) {  // [rows] or null
+                          float* __restrict__ row_fx = nullptr,  // [rows] or null
+                          const float* __restrict__ fx = nullptr) {  // fixed_point_kernel's, with row_fx
   const int64_t row = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (row >= rows) return;
@@ -90,7 +91,10 @@ __global__ void di_kernel(const bf16* __restrict__ o,    // [rows, Dv]
     di[row] = sum;
     if (row_fx) {
       const float a_k = __uint_as_float(amax_bits[1]), a_v = __uint_as_float(amax_bits[2]);
-      row_fx[row] = fixed_point_factor(scale * a_k * (l1 * a_v + fabsf(sum)), 30);
+      // fx[5] is NaN when any input was non-finite (fixed_point_kernel): every row's factor then too,
+      // as a non-finite q or k can leave this row's dO and o finite. (lse is not checked: a NaN or
+      // +inf lse with finite inputs still gives finite values here.)
+      row_fx[row] = isnan(fx[5]) ? fx[5] : fixed_point_factor(scale * a_k * (l1 * a_v + fabsf(sum)), 30);
     }
   }
 }
@@ -129,9 +133,13 @@ __global__ void merge_student_lse_kernel(const int32_t* __restrict__ block_idx, 
 __global__ void fixed_point_kernel(const unsigned int* __restrict__ amax_bits,  // [7]: q k v o dO qp kp
                                    float scale, float scale_p, int Dv, float T, float r,
                                    float hp_per_pk, float c_base, const float* __restrict__ kl_grad,
-                                   float* __restrict__ fx) {  // [7]: dq dk dv dqp dkp, -, dqp as int32
+                                   float* __restrict__ fx) {  // [7]: dq dk dv dqp dkp, poison, dqp as int32
   float a[7];
-  for (int i = 0; i < 7; ++i) a[i] = __uint_as_float(amax_bits[i]);
+  bool finite = true;  // every input whose maximum was taken (the others read 0)
+  for (int i = 0; i < 7; ++i) {
+    a[i] = __uint_as_float(amax_bits[i]);
+    finite = finite && isfinite(a[i]);
+  }
   const float c = fabsf(c_base * (kl_grad ? *kl_grad : 1.f));
   const float ds_sum = Dv * a[4] * (a[2] + a[3]);
   fx[0] = fixed_point_factor(scale * a[1] * ds_sum);
@@ -143,6 +151,12 @@ __global__ void fixed_point_kernel(const unsigned int* __restrict__ amax_bits,  
   // block), so their roundings (<= 1/2 each) stay far inside 2^31 - 2^30. (Its int32 dq takes a
   // factor per row: di_kernel.)
   fx[6] = fixed_point_factor(2.f * c * scale_p * a[6], 30);
+  // A non-finite input (or kl_grad) makes every fixed-point gradient NaN, not only those whose
+  // bound it enters: q or k non-finite poisons P and the teacher, hence dqp and dkp too.
+  // fx[5]: 0, or NaN as that marker (di_kernel reads it for the int32 dq's per-row factors).
+  fx[5] = 0.f;
+  if (!finite || !isfinite(c))
+    for (int i = 0; i < 7; ++i) fx[i] = __int_as_float(0x7fc00000);
 }
 
 // ---- outputs ----------------------------------------------------------------------------------
@@ -535,13 +549,15 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
     const void* tensors[7] = {p.q, p.k, p.v, p.o, p.d_o, p.qp, p.kp};
     const int64_t sizes[7] = {T * p.H * p.D, T * p.Hkv * p.D, T * p.Hkv * p.Dv, T * p.H * p.Dv,
                               T * p.H * p.Dv, T * p.Hp * p.Dp, T * p.Hpk * p.Dp};
-    // Only the bounds of the accumulators that exist (fixed_point_kernel): an int64 dq needs k, v,
-    // o, dO; the int32 dq's per-row factors (di_kernel) k and v; non-owned dk/dv q, v, o, dO; dqp
-    // and dkp kp and qp. Reading q, o and dO costs ~1 ms at m3/64k, so they are skipped unless needed.
+    // The bounds of the accumulators that exist (fixed_point_kernel): an int64 dq needs k, v, o, dO;
+    // the int32 dq's per-row factors (di_kernel) k and v; non-owned dk/dv q, v, o, dO; dqp and dkp
+    // kp and qp. q, k, v, qp and kp are always read, so that a non-finite one poisons the factors
+    // (q: ~0.35 ms at m3/64k); o and dO (~0.7 ms) only when a bound needs them: a non-finite value
+    // there reaches the gradients through D / dP, which the int32 dq's per-row factors and the
+    // float paths carry.
     const bool dq_int64 = !dq_query_major && !dq_kv_int32;
     const bool main_bounds = dq_int64 || !main_owned;
-    const bool needed[7] = {!main_owned, !dq_query_major, main_bounds || dq_kv_int32, main_bounds, main_bounds,
-                            true, true};
+    const bool needed[7] = {true, true, true, main_bounds, main_bounds, true, true};
     for (int i = 0; i < 7; ++i) {
       if (!needed[i]) continue;  // its amax stays 0: the factors that use it are never read
       absmax_kernel<<<grid_for(sizes[i] / 8, 256, 4096), 256, 0, stream>>>(
@@ -560,7 +576,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   float* row_fx = dq_kv_int32 ? ws.at<float>(o_row_fx) : nullptr;
   di_kernel<<<grid_for(rows * 32, 256, INT_MAX), 256, 0, stream>>>(
       static_cast<const bf16*>(p.o), static_cast<const bf16*>(p.d_o), rows, p.Dv, ws.at<float>(o_di), amax,
-      p.scale, row_fx);
+      p.scale, row_fx, fx);
   FLASHMSA_CHECK_LAUNCH();
 
   if (dq_query_major) launch_backward_dq(p, dq_items, ws.at<float>(o_di), stream);
