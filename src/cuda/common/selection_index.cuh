@@ -129,7 +129,9 @@ struct SelectionIndexPlan {
   size_t o_vals_in = 0, o_vals_out = 0;  // [n_entries] each; vals_out is the sorted list
   size_t o_seg = 0;                      // [nkeys+1]
   size_t o_cub = 0;                      // [cub_bytes]
-  size_t dead_bytes = 0;  // keys in, keys out, values in: contiguous from o_keys_in, dead once built
+  // keys in, keys out, values in: contiguous from o_keys_in, free for the caller once the index is
+  // built (when place_selection_scratch put them in the caller's own region, they are that region).
+  size_t dead_bytes = 0;
 };
 
 // The index's sizes from the host copy of cu_seqlens; no workspace yet (callers may reject the
