@@ -129,6 +129,9 @@ struct SelectionIndexPlan {
   size_t o_vals_in = 0, o_vals_out = 0;  // [n_entries] each; vals_out is the sorted list
   size_t o_seg = 0;                      // [nkeys+1]
   size_t o_cub = 0;                      // [cub_bytes]
+  // keys in, keys out, values in: contiguous from o_keys_in, free for the caller once the index is
+  // built (when place_selection_scratch put them in the caller's own region, they are that region).
+  size_t dead_bytes = 0;
 };
 
 // The index's sizes from the host copy of cu_seqlens; no workspace yet (callers may reject the
@@ -143,21 +146,44 @@ inline SelectionIndexPlan selection_index_sizes(const MsaParams& p) {
   return s;
 }
 
-// Reserves the index's buffers (first in `ws`, in a fixed order) and sizes cub's temporary
-// storage; launches nothing.
-inline void reserve_selection_index(SelectionIndexPlan& s, const MsaParams& p, Workspace& ws,
-                                    cudaStream_t stream) {
+// Reserves the index's lasting buffers (block offsets, block sequences, the sorted list, the
+// per-key segments) in `ws` and sizes cub's temporary storage; launches nothing. The scratch
+// (keys in and out, values in, cub's storage), read only while the index is built, is placed by
+// place_selection_scratch.
+inline void reserve_selection_lists(SelectionIndexPlan& s, const MsaParams& p, Workspace& ws, cudaStream_t stream) {
   FLASHMSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
       nullptr, s.cub_bytes, static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
       static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), s.n_entries, 0, s.end_bit, stream));
   s.o_blk_off = ws.add((p.B + 1) * sizeof(int32_t));
   s.o_blk_seq = ws.add(std::max(s.NB, 1) * sizeof(int32_t));
-  s.o_keys_in = ws.add(s.n_entries * 4);
-  s.o_keys_out = ws.add(s.n_entries * 4);
-  s.o_vals_in = ws.add(s.n_entries * 4);
   s.o_vals_out = ws.add(s.n_entries * 4);
   s.o_seg = ws.add((s.nkeys + 1) * sizeof(int32_t));
-  s.o_cub = ws.add(s.cub_bytes);
+}
+
+// Places the index's scratch inside [region, region + region_bytes) of `ws` when it fits there (a
+// region the caller does not use before the index is built: the backward's accumulators, zeroed
+// after it, save the scratch's 16 B per entry of peak workspace), else reserves it after the rest.
+inline void place_selection_scratch(SelectionIndexPlan& s, Workspace& ws, size_t region = 0, size_t region_bytes = 0) {
+  auto pad = [](size_t bytes) { return (bytes + 255) / 256 * 256; };  // Workspace::add's alignment
+  const size_t entries = pad(s.n_entries * 4);
+  if (3 * entries + pad(s.cub_bytes) <= region_bytes) {
+    s.o_keys_in = region;
+    s.o_keys_out = region + entries;
+    s.o_vals_in = region + 2 * entries;
+    s.o_cub = region + 3 * entries;
+  } else {
+    s.o_keys_in = ws.add(s.n_entries * 4);
+    s.o_keys_out = ws.add(s.n_entries * 4);
+    s.o_vals_in = ws.add(s.n_entries * 4);
+    s.o_cub = ws.add(s.cub_bytes);
+  }
+  s.dead_bytes = 3 * entries;
+}
+
+// Both, the scratch reserved with the rest.
+inline void reserve_selection_index(SelectionIndexPlan& s, const MsaParams& p, Workspace& ws, cudaStream_t stream) {
+  reserve_selection_lists(s, p, ws, stream);
+  place_selection_scratch(s, ws);
 }
 
 // Builds the index into the allocated workspace, on `stream`.

@@ -824,7 +824,7 @@ KvwPlan plan_kvw(const MsaParams& p, int streams) {
   pl.o_items = pl.ws.add(static_cast<size_t>(p.Hp) * pl.items_per_group * sizeof(int4));
   pl.o_counts = pl.ws.add(2 * static_cast<size_t>(p.Hp) * pl.n_chunks * sizeof(int32_t));
   // The S chunk accumulators reuse the index's unsorted keys, sorted keys and unsorted values
-  // (contiguous, dead once the list offsets are built) when they fit there.
+  // (contiguous, dead once the list offsets are built: dead_bytes) when they fit there.
   const size_t elem = det ? 8 : 4;
   const size_t acc_o = static_cast<size_t>(pl.Ceff) * pl.m * kD * elem,
                acc_row = static_cast<size_t>(pl.Ceff) * pl.m * elem;
@@ -833,7 +833,7 @@ KvwPlan plan_kvw(const MsaParams& p, int streams) {
   pl.d_acc_l = up(acc_o);
   pl.d_mref = up(acc_o) + up(acc_row);
   const size_t need = pl.acc_stride * static_cast<size_t>(pl.S);
-  if (need <= pl.sel.o_vals_out - pl.sel.o_keys_in) {
+  if (need <= pl.sel.dead_bytes) {
     pl.o_acc = pl.sel.o_keys_in;
   } else {
     pl.o_acc = pl.ws.add(need);

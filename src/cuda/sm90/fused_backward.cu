@@ -517,7 +517,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
                 "deterministic mode also top_k <= 32 and not FLASHMSA_DET_DQ=query)");
 
   Workspace ws;
-  reserve_selection_index(sel, p, ws, stream);
+  reserve_selection_lists(sel, p, ws, stream);  // its scratch: over the accumulators, below
   const size_t o_di = ws.add(T * p.H * sizeof(float));
   const size_t o_pmax = ws.add(n_entries * sizeof(float)), o_psum = ws.add(n_entries * sizeof(float));
   const size_t o_lse_s = ws.add(static_cast<size_t>(p.Hp) * T * sizeof(float));
@@ -532,6 +532,8 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   const size_t o_dv = main_owned ? 0 : ws.add(n_dk * acc_elem);
   const size_t o_dkp = dkp_in_acc ? ws.add(n_dkp * acc_elem) : 0;
   const size_t o_acc_end = ws.add(0);
+  // The accumulators are zeroed after the index is built: its scratch can live there.
+  place_selection_scratch(sel, ws, o_acc_begin, o_acc_end - o_acc_begin);
   const size_t o_amax = det ? ws.add(8 * sizeof(unsigned int)) : 0;
   const size_t o_fx = det ? ws.add(8 * sizeof(float)) : 0;
   const size_t o_row_fx = dq_kv_int32 ? ws.add(T * p.H * sizeof(float)) : 0;
