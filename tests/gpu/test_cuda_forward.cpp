@@ -743,31 +743,46 @@ TEST(CudaForward, WgmmaKvDeterministic) {
   check_deterministic_wgmma_forward(shape(32, 4, 4, 1, 128, 16, {2500, 77, 1100}), 156);                // m = 8
 }
 
-// A NaN in v (one element) reaches o of the fast form in every row that selects its block; the
-// deterministic int64 form must not turn it into finite values: its factors turn NaN, every row is
-// recomputed query-major. (A NaN in q would not tell: that row's l is not positive either way and
-// was always recomputed.)
+// One NaN in v, q or k reaches o of the fast form (every row that selects v's or k's block, the one
+// row of q). The deterministic int64 form must not turn it into finite values: a non-finite v turns
+// its factors NaN and every row is recomputed query-major; a non-finite q or k makes the row sums of
+// the tiles it enters non-finite, which flags those tokens for the recompute.
 TEST(CudaForward, WgmmaKvDeterministicNonFiniteInput) {
   GPUTEST_REQUIRE_DEVICE();
-  Problem pr;
-  gputest::make_problem(pr, shape(32, 2, 2, 1, 128, 8, {900, 300}), 157);  // m = 16
-  std::vector<int32_t> sel;
-  {
-    ScopedForwardPath query("query");
-    sel = run_gpu(pr).sel;  // the selection reads qp and kp only
+  // Keys 128 and 256, the first of blocks 1 and 2: every row that loads the block comes after
+  // them, so the fast form's masked-but-loaded keys (P = 0 times NaN) and the query-major kernel's
+  // zero-filled ones agree.
+  struct Case {
+    const char* name;
+    std::vector<uint16_t> Problem::*tensor;
+    int64_t token, head, col;  // the element [token, head, col]
+  };
+  const Case cases[] = {{"v", &Problem::v, 128, 1, 9}, {"q", &Problem::q, 700, 5, 3}, {"k", &Problem::k, 256, 0, 77}};
+  for (const Case& c : cases) {
+    Problem pr;
+    gputest::make_problem(pr, shape(32, 2, 2, 1, 128, 8, {900, 300}), 157);  // m = 16
+    std::vector<int32_t> sel;
+    {
+      ScopedForwardPath query("query");
+      sel = run_gpu(pr).sel;  // the selection reads qp and kp only
+    }
+    const int64_t heads = c.tensor == &Problem::q ? pr.s.H : pr.s.Hkv;
+    (pr.*c.tensor)[(c.token * heads + c.head) * pr.s.D + c.col] = 0x7fc0;  // bf16 quiet NaN
+    pr.dq.upload(pr.q);
+    pr.dk.upload(pr.k);
+    pr.dv.upload(pr.v);
+    ScopedForwardPath path("wgmma");
+    const GpuForward fast = run_gpu_on(pr, sel, false, false);
+    const GpuForward det = run_gpu_on(pr, sel, false, true);
+    const int64_t fast_o = gputest::count_nonfinite(fast.o), det_o = gputest::count_nonfinite(det.o);
+    const int64_t fast_l = gputest::count_nonfinite(fast.lse), det_l = gputest::count_nonfinite(det.lse);
+    std::printf("  NaN in %s: non-finite o fast %lld det %lld, lse fast %lld det %lld\n", c.name,
+                static_cast<long long>(fast_o), static_cast<long long>(det_o), static_cast<long long>(fast_l),
+                static_cast<long long>(det_l));
+    ASSERT_GT(fast_o, 0) << c.name << ": the NaN did not reach the fast form's o: the test's premise fails";
+    EXPECT_EQ(det_o, fast_o) << c.name << ": deterministic o: non-finite elements differ from the fast form's";
+    EXPECT_EQ(det_l, fast_l) << c.name << ": deterministic lse: non-finite elements differ from the fast form's";
   }
-  // Key 128, the first of block 1: every row that loads block 1 comes after it, so the fast form's
-  // masked-but-loaded keys (P = 0 times NaN) and the query-major kernel's zero-filled ones agree.
-  pr.v[(static_cast<size_t>(128) * pr.s.Hkv + 1) * pr.s.D + 9] = 0x7fc0;  // bf16 quiet NaN, kv head 1
-  pr.dv.upload(pr.v);
-  ScopedForwardPath path("wgmma");
-  const GpuForward fast = run_gpu_on(pr, sel, false, false);
-  const GpuForward det = run_gpu_on(pr, sel, false, true);
-  const int64_t fast_o = gputest::count_nonfinite(fast.o), det_o = gputest::count_nonfinite(det.o);
-  std::printf("  NaN in v: non-finite o fast %lld det %lld\n", static_cast<long long>(fast_o),
-              static_cast<long long>(det_o));
-  ASSERT_GT(fast_o, 0) << "the NaN did not reach the fast form's o: the test's premise fails";
-  EXPECT_EQ(det_o, fast_o) << "deterministic o: non-finite elements differ from the fast form's";
 }
 
 // Selection rows that are all padding (allowed by the API: block_idx is the caller's) give o = 0

@@ -97,6 +97,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -652,6 +653,13 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    if constexpr (DET) {
+      // Kept terms are <= 2^kOverflowLog2Det, so a non-finite row sum comes only from a non-finite
+      // q or k (a NaN score, a NaN or infinite mref). Fixed point would turn it into finite
+      // garbage: the token goes to the query-major recompute, which carries it as the fast form does.
+      if (tr.ok0 && !(l0 <= FLT_MAX)) overflow[tr.t0] = 1;
+      if (tr.ok1 && !(l1 <= FLT_MAX)) overflow[tr.t1] = 1;
+    }
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) acc_to_a_frag(pf[kk], s + 8 * kk);
   };
@@ -779,7 +787,7 @@ struct KvwPlan {
   size_t o_items = 0, o_counts = 0;           // items [Hp, items_per_group]; n_items, counters [Hp, chunks] each
   size_t o_acc = 0, acc_stride = 0;  // S chunk accumulators {acc_o, acc_l, mref}, acc_stride bytes apart
   size_t d_acc_l = 0, d_mref = 0;    // offsets of acc_l and mref inside one accumulator
-  size_t o_fx = 0;                   // deterministic form: max|v| bits, fx_o, fx_l, max(|q|, |k|) bits
+  size_t o_fx = 0;                   // deterministic form: max|v| bits, fx_o, fx_l
 };
 
 // Sizes and chunk ranges from the host copy of cu_seqlens (O(B + chunks log B) host work).
@@ -838,7 +846,7 @@ KvwPlan plan_kvw(const MsaParams& p, int streams) {
   } else {
     pl.o_acc = pl.ws.add(need);
   }
-  if (det) pl.o_fx = pl.ws.add(4 * sizeof(float));
+  if (det) pl.o_fx = pl.ws.add(3 * sizeof(float));
   return pl;
 }
 
@@ -934,15 +942,16 @@ class StreamFork {
 
 // The deterministic form's fixed-point factors from max|v| (bits in fx[0]): kept terms
 // P <= 2^kOverflowLog2Det, a row has at most K blocks x 128 keys of them, bf16(P) <= 2 P.
-// fx: [4] = max|v| (float bits), fx_o, fx_l, max(|q|, |k|) (float bits). A non-finite q, k or v
-// makes both factors NaN: every row's l is then NaN, finprep flags it (not l >= 2^-8) and the
-// query-major kernel recomputes it, carrying the NaN exactly where the fast form would, instead of
-// the finite garbage of integer sums over NaN terms (a slow path, taken only for such inputs).
+// fx: [3] = max|v| (float bits), fx_o, fx_l. A non-finite v makes both factors NaN: every row's
+// l is then NaN, finprep flags it (not l >= 2^-8) and the query-major kernel recomputes it, carrying
+// the NaN exactly where the fast form would, instead of the finite garbage of integer sums over NaN
+// terms (a slow path, taken only for such inputs). A non-finite q or k is caught per token by the
+// main kernel (its row sum).
 __global__ void kvw_det_factors_kernel(int K, float* __restrict__ fx) {
   const float l_bound = ldexpf(static_cast<float>(K) * kBlk, static_cast<int>(kOverflowLog2Det));
   fx[1] = fixed_point_factor(2.f * l_bound * fx[0]);  // fx[0]: non-negative float bits read as a float
   fx[2] = fixed_point_factor(l_bound);
-  if (!isfinite(fx[0]) || !isfinite(fx[3])) fx[1] = fx[2] = __int_as_float(0x7fc00000);
+  if (!isfinite(fx[0])) fx[1] = fx[2] = __int_as_float(0x7fc00000);
 }
 
 template <int M, bool DET>
@@ -975,16 +984,10 @@ void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
     const float* fx = nullptr;  // DET: {fx_o, fx_l}
     if constexpr (DET) {
       float* f = ws.at<float>(pl.o_fx);
-      FLASHMSA_CUDA_CHECK(cudaMemsetAsync(f, 0, 4 * sizeof(float), stream));
+      FLASHMSA_CUDA_CHECK(cudaMemsetAsync(f, 0, 3 * sizeof(float), stream));
       const int64_t n8 = p.T * p.Hkv * kD / 8;
       absmax_kernel<<<grid_for(n8, 256, 4096), 256, 0, stream>>>(static_cast<const bf16*>(p.v), n8,
                                                                 reinterpret_cast<unsigned int*>(f));
-      FLASHMSA_CHECK_LAUNCH();
-      // q and k only to catch non-finite values (one more pass over q: ~0.35 ms at m3/64k).
-      const int64_t nq8 = p.T * p.H * kD / 8;
-      absmax_kernel<<<grid_for(nq8, 256, 4096), 256, 0, stream>>>(q, nq8, reinterpret_cast<unsigned int*>(f + 3));
-      FLASHMSA_CHECK_LAUNCH();
-      absmax_kernel<<<grid_for(n8, 256, 4096), 256, 0, stream>>>(k, n8, reinterpret_cast<unsigned int*>(f + 3));
       FLASHMSA_CHECK_LAUNCH();
       kvw_det_factors_kernel<<<1, 1, 0, stream>>>(p.top_k, f);
       FLASHMSA_CHECK_LAUNCH();
