@@ -385,7 +385,7 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
     const float* __restrict__ fx) {             // DET: [2] fixed-point factors of acc_o, acc_l
   constexpr int kTok = kRows / M;  // tokens per tile
   static_assert(kRows % M == 0 && M % 4 == 0 && kMaxTiles * kTok <= kMaxItemTok, "group size");
-  static_assert(!DET || M % 8 == 0, "the deterministic form's staging swizzle keys on head & 7 = row & 7");
+  static_assert(!DET || M % 8 == 0, "the deterministic form is built for groups of 8 or 16 heads only");
   constexpr float kOverflow = DET ? kOverflowLog2Det : kOverflowLog2;
   extern __shared__ __align__(16) unsigned char kvw_smem_raw[];
   // Offset from the shared array (not an integer round trip), so the compiler keeps LDS/STS.
