@@ -333,6 +333,13 @@ struct ScopedForwardPath : ScopedEnv {
   explicit ScopedForwardPath(const char* value) : ScopedEnv("FLASHMSA_FORWARD_PATH", value) {}
 };
 
+// pr's block selection (it reads qp and kp only), computed once through the query-major path so
+// that the tests below can run every forward path on the same selection.
+std::vector<int32_t> selection_of(const Problem& pr) {
+  ScopedForwardPath query("query");
+  return run_gpu(pr).sel;
+}
+
 // The KV-major path (forward_kv.cu: groups of m = 2, 4, 8, 16 heads on one kv head, D = 128, not
 // deterministic) is the default only for m < 16; these tests force it for their scope.
 struct ForceKvPath : ScopedForwardPath {
@@ -491,11 +498,7 @@ TEST(CudaForward, ForwardPathRouting) {
   auto run_paths = [](const Shape& s, uint64_t seed, const char* expected_default, int n_paths) {
     Problem pr;
     gputest::make_problem(pr, s, seed);
-    std::vector<int32_t> sel;
-    {
-      ScopedForwardPath query("query");
-      sel = run_gpu(pr).sel;
-    }
+    const std::vector<int32_t> sel = selection_of(pr);
     GpuForward d;
     {
       ScopedForwardPath unset(nullptr);
@@ -641,11 +644,7 @@ void check_overflow_recomputed(const Shape& sh, uint64_t seed, bool det = false)
   ASSERT_GT(overflowing, 100) << "the inputs do not exercise the recompute path";
   ASSERT_LT(overflowing, pr.T / 2 + 1) << "the inputs do not keep any KV-major rows";
 
-  std::vector<int32_t> sel;
-  {
-    ScopedForwardPath query("query");
-    sel = run_gpu(pr).sel;
-  }
+  const std::vector<int32_t> sel = selection_of(pr);
   const GpuForward g = run_gpu_on(pr, sel, /*with_kl=*/false, det);
   if (::testing::Test::HasFatalFailure()) return;
   ASSERT_EQ(gputest::count_nonfinite(g.o), 0) << "o has unwritten or overflowed elements";
@@ -676,11 +675,7 @@ TEST(CudaForward, WgmmaKvOverflowRowsRecomputed) {
 void check_deterministic_wgmma_forward(const Shape& s, uint64_t seed) {
   Problem pr;
   gputest::make_problem(pr, s, seed);
-  std::vector<int32_t> sel;
-  {
-    ScopedForwardPath query("query");
-    sel = run_gpu(pr).sel;
-  }
+  const std::vector<int32_t> sel = selection_of(pr);
   ScopedForwardPath path("wgmma");  // an error unless the wgmma kernel takes the problem
   const GpuForward fast = run_gpu_on(pr, sel, true, false);
   const GpuForward det = run_gpu_on(pr, sel, true, true);
@@ -761,11 +756,7 @@ TEST(CudaForward, WgmmaKvDeterministicNonFiniteInput) {
   for (const Case& c : cases) {
     Problem pr;
     gputest::make_problem(pr, shape(32, 2, 2, 1, 128, 8, {900, 300}), 157);  // m = 16
-    std::vector<int32_t> sel;
-    {
-      ScopedForwardPath query("query");
-      sel = run_gpu(pr).sel;  // the selection reads qp and kp only
-    }
+    const std::vector<int32_t> sel = selection_of(pr);
     const int64_t heads = c.tensor == &Problem::q ? pr.s.H : pr.s.Hkv;
     (pr.*c.tensor)[(c.token * heads + c.head) * pr.s.D + c.col] = 0x7fc0;  // bf16 quiet NaN
     pr.dq.upload(pr.q);
@@ -792,11 +783,7 @@ TEST(CudaForward, WgmmaKvPaddingOnlyRows) {
   ScopedForwardPath path("wgmma");
   Problem pr;
   gputest::make_problem(pr, shape(32, 2, 2, 1, 128, 8, {1300, 400}), 154);
-  std::vector<int32_t> sel;
-  {
-    ScopedForwardPath query("query");
-    sel = run_gpu(pr).sel;
-  }
+  std::vector<int32_t> sel = selection_of(pr);
   const Shape& s = pr.s;
   int64_t emptied = 0;
   for (int p = 0; p < s.Hp; ++p)
