@@ -1,8 +1,7 @@
 // Deterministic mode's fixed-point accumulation: a value x is added as the int64 (or, where each
-// element takes few adds, int32) round(x * F),
-// with F a power of two chosen from a bound on the whole sum, so that integer adds (which
-// commute) give the same bits in any order. Shared by the fused backward (fused_backward.cu) and
-// the deterministic KV-major forward (forward_kv_wgmma.cu).
+// element takes few adds, int32) round(x * F), with F a power of two chosen from a bound on the
+// whole sum, so that integer adds (which commute) give the same bits in any order. Shared by the
+// fused backward (fused_backward.cu) and the deterministic KV-major forward (forward_kv_wgmma.cu).
 #pragma once
 
 #include <cuda_bf16.h>

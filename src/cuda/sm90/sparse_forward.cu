@@ -4,9 +4,9 @@
 //
 // Routing: the wgmma KV-major kernel (forward_kv_wgmma.cu: D = 128, groups of 4/8/16 heads inside
 // one kv head, top_k <= 32; in deterministic mode its int64 form, groups of 8 or 16 heads) where
-// the KL value, if asked for, can follow
-// KV-major (kl_value.cuh); tokens it flags (its fixed softmax reference overflowed, or a row had
-// nothing to sum) are recomputed here by redo_forward_kernel. Else the mma.sync KV-major kernel
+// the KL value, if asked for, can follow KV-major (kl_value.cuh); tokens it flags (its fixed
+// softmax reference overflowed, or a row had nothing to sum) are recomputed here by
+// redo_forward_kernel. Else the mma.sync KV-major kernel
 // (forward_kv.cu) for groups of fewer than 16 heads; else the query-major kernel.
 //
 // Query-major: one warp (= one CTA) owns one token and up to 16 main heads that share its proxy
@@ -648,8 +648,8 @@ void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
   // Path choice, read on every call (so a benchmark can flip it between runs):
   // FLASHMSA_FORWARD_PATH=query forces this kernel, =kv the mma.sync KV-major one (forward_kv.cu)
   // where it applies, =wgmma the wgmma KV-major one (forward_kv_wgmma.cu; an error where it does
-  // not apply, so tests know which kernel ran: its fast form's sums are not bitwise reproducible). Unset: wgmma
-  // KV-major where it applies and the KL value (if asked for) can be formed KV-major after it
+  // not apply, so tests know which kernel ran: its fast form's sums are not bitwise reproducible).
+  // Unset: wgmma KV-major where it applies and the KL value (if asked for) can be formed KV-major after it
   // (launch_kl_value); else mma KV-major for groups of fewer than 16 heads; else this kernel.
   // m < 16: this kernel fills only m of its 16 MMA rows and streams a token's 16 blocks (1 MB) per
   // (token, group) whatever m is; the mma KV-major kernel keeps 16 real rows per warp (16/m tokens)
