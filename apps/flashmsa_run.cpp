@@ -39,7 +39,7 @@ struct Config {
   int block = 128, topk = 16, local_blocks = 1, threads = 0, iters = 0, check_tokens = 6,
       check_keys = 2;
   float kl_coeff = 1.f;
-  bool deterministic = false, full_check = false, quiet = false, forward_kl = false;
+  bool deterministic = false, full_check = false, quiet = false, forward_kl = false, graph = false;
   uint64_t seed = 1234;
   std::string json;
 };
@@ -58,6 +58,7 @@ void usage() {
       "  --block BLK (128) --topk K (16) --local-blocks L (1) --kl-coeff C (1.0)\n"
       "  --mode sparse|warmup (sparse) --dtype bf16|fp16|fp32 (bf16) --deterministic\n"
       "  --forward-kl       the forward also produces the KL value (as the PyTorch op does)\n"
+      "  --graph            also time the whole step captured once in a CUDA graph and replayed\n"
       "Run:\n"
       "  --device auto|cpu|cuda (auto: cuda when an sm_90 GPU is present)\n"
       "  --iters N          timed repetitions (default 1 on CPU, 10 on CUDA; median reported)\n"
@@ -112,6 +113,7 @@ Config parse(int argc, char** argv) {
     else if (a == "--deterministic") c.deterministic = true;
     else if (a == "--full-check") c.full_check = true;
     else if (a == "--forward-kl") c.forward_kl = true;
+    else if (a == "--graph") c.graph = true;
     else if (a == "--quiet") c.quiet = true;
     else {
       std::fprintf(stderr, "flashmsa_run: unknown flag '%s' (see --help)\n", a.c_str());
@@ -336,14 +338,13 @@ double time_ms([[maybe_unused]] bool cuda, const std::function<void()>& fn) {
   return (now_s() - t0) * 1e3;
 }
 
-// Peak stream-ordered workspace (cudaMallocAsync on the default pool) since the last reset.
+// Peak workspace (flashmsa's memory pool on device 0) since the last reset.
 struct WorkspaceMeter {
   bool cuda;
   void reset() {
 #ifdef FLASHMSA_WITH_CUDA
     if (!cuda) return;
-    cudaMemPool_t pool;
-    cuda_ok(cudaDeviceGetDefaultMemPool(&pool, 0), "mempool");
+    auto pool = static_cast<cudaMemPool_t>(workspace_memory_pool(0));
     uint64_t zero = 0;
     cuda_ok(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero), "mempool reset");
 #endif
@@ -351,8 +352,7 @@ struct WorkspaceMeter {
   int64_t peak() const {
 #ifdef FLASHMSA_WITH_CUDA
     if (!cuda) return 0;
-    cudaMemPool_t pool;
-    cuda_ok(cudaDeviceGetDefaultMemPool(&pool, 0), "mempool");
+    auto pool = static_cast<cudaMemPool_t>(workspace_memory_pool(0));
     uint64_t high = 0;
     cuda_ok(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high), "mempool high");
     return static_cast<int64_t>(high);
@@ -507,6 +507,46 @@ int main(int argc, char** argv) {
   } catch (const Error& e) {
     die(e.what());
   }
+  // The step as a training loop without per-phase synchronisation runs it, captured once.
+  std::vector<double> t_graph;
+#ifdef FLASHMSA_WITH_CUDA
+  if (cuda && c.graph) {
+    cudaStream_t gs = nullptr;
+    cuda_ok(cudaStreamCreateWithFlags(&gs, cudaStreamNonBlocking), "stream");
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    cuda_ok(cudaStreamBeginCapture(gs, cudaStreamCaptureModeGlobal), "begin capture");
+    try {
+      if (sparse) select_blocks(in, opt, bidx.view(), gs);
+      const TensorView kl_fwd = c.forward_kl ? bkl.view() : TensorView();
+      if (sparse) sparse_attention_forward(in, bidx.view(), opt, bo.view(), blse.view(), kl_fwd, gs);
+      else dense_warmup_forward(in, opt, bo.view(), blse.view(), kl_fwd, gs);
+      msa_backward(in, bidx.view(), bo.view(), blse.view(), bdo.view(), TensorView(), opt, g, bkl.view(), gs);
+    } catch (const Error& e) {
+      cudaStreamEndCapture(gs, &graph);
+      die(e.what());
+    }
+    cuda_ok(cudaStreamEndCapture(gs, &graph), "end capture");
+    cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "graph instantiate");
+    cudaEvent_t a, b;
+    cuda_ok(cudaEventCreate(&a), "event");
+    cuda_ok(cudaEventCreate(&b), "event");
+    for (int it = 0; it < 2 + c.iters; ++it) {
+      cuda_ok(cudaEventRecord(a, gs), "event");
+      cuda_ok(cudaGraphLaunch(exec, gs), "graph launch");
+      cuda_ok(cudaEventRecord(b, gs), "event");
+      cuda_ok(cudaEventSynchronize(b), "event sync");
+      float ms = 0;
+      cuda_ok(cudaEventElapsedTime(&ms, a, b), "elapsed");
+      if (it >= 2) t_graph.push_back(ms);
+    }
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(gs);
+  }
+#endif
 
   // ---- results back to the host ----
   HostTensor idx_h = sparse ? bidx.download() : HostTensor{};
@@ -650,6 +690,9 @@ int main(int argc, char** argv) {
   std::printf("%-22s %10.3f %12.3f\n", "backward (+KL)", ms_bwd, tflops(fl_bwd, ms_bwd));
   std::printf("%-22s %10.3f %12.3f\n", "training step", ms_sel + ms_fwd + ms_bwd,
               tflops(fl_sel + fl_fwd + fl_bwd, ms_sel + ms_fwd + ms_bwd));
+  if (!t_graph.empty())
+    std::printf("%-22s %10.3f %12.3f\n", "step (CUDA graph)", median(t_graph),
+                tflops(fl_sel + fl_fwd + fl_bwd, median(t_graph)));
   std::printf("kl_loss = %.6g\n", kl);
   if (sparse && picks > 0)
     std::printf("selection: %.1f keys/query/head (sel), %.2f blocks/row, %.1f%% rows padded, "
@@ -673,7 +716,8 @@ int main(int argc, char** argv) {
        << ", \"Dp\": " << c.Dp << ", \"K\": " << c.topk << ", \"BLK\": " << c.block
        << ", \"mode\": \"" << c.mode << "\", \"dtype\": \"" << c.dtype << "\""
        << ", \"forward_kl\": " << (c.forward_kl ? "true" : "false") << ", \"iters\": " << c.iters << ", \"ms_select\": " << ms_sel << ", \"ms_forward\": " << ms_fwd
-       << ", \"ms_backward\": " << ms_bwd << ", \"flop_select\": " << fl_sel
+       << ", \"ms_backward\": " << ms_bwd << ", \"ms_step_graph\": " << (t_graph.empty() ? 0.0 : median(t_graph))
+       << ", \"flop_select\": " << fl_sel
        << ", \"flop_forward\": " << fl_fwd << ", \"flop_backward\": " << fl_bwd
        << ", \"sel_per_head\": " << sel_per_head << ", \"kl_loss\": " << kl
        << ", \"workspace_forward_bytes\": " << ws_fwd << ", \"workspace_backward_bytes\": " << ws_bwd

@@ -6,6 +6,12 @@ namespace flashmsa {
 
 bool cuda_backend_built() { return false; }
 
+void* workspace_memory_pool(int) {
+  throw Error("flashmsa: workspace_memory_pool: this build has no CUDA backend (configured without nvcc)");
+}
+// Nothing here allocates device workspace, so any allocator (or none) is accepted.
+void set_workspace_allocator(const WorkspaceAllocator&) {}
+
 namespace cuda {
 namespace {
 [[noreturn]] void unavailable() {

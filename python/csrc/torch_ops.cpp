@@ -18,6 +18,7 @@
 #include "flashmsa/flashmsa.h"
 
 #ifdef FLASHMSA_TORCH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -157,6 +158,32 @@ Inputs make_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tens
   return in;
 }
 
+#ifdef FLASHMSA_TORCH_CUDA
+// The library's device workspace (up to ~2.3 x size(q) in the backward) from torch's caching
+// allocator, so it shares torch's cache (and its graph pools under capture) instead of a second
+// pool that torch cannot reclaim. Installed once, before the op's first CUDA call.
+void* torch_workspace_allocate(void*, size_t bytes, int, flashmsa::Stream stream) {
+  try {
+    return c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(bytes, static_cast<cudaStream_t>(stream));
+  } catch (const c10::Error&) {
+    return nullptr;  // the library raises its own error, naming the size
+  }
+}
+void torch_workspace_deallocate(void*, void* ptr, int, flashmsa::Stream) {
+  c10::cuda::CUDACachingAllocator::raw_delete(ptr);
+}
+void install_torch_workspace_allocator() {
+  static const bool installed = [] {
+    flashmsa::WorkspaceAllocator a;
+    a.allocate = &torch_workspace_allocate;
+    a.deallocate = &torch_workspace_deallocate;
+    flashmsa::set_workspace_allocator(a);
+    return true;
+  }();
+  (void)installed;
+}
+#endif
+
 // Runs `body` with q's device current and the current stream, turning library errors into
 // c10::Error (RuntimeError in Python) with the library's message, which names the argument.
 template <typename F>
@@ -165,6 +192,7 @@ void run_on_device(const Tensor& q, F&& body) {
 #ifdef FLASHMSA_TORCH_CUDA
   std::optional<c10::cuda::CUDAGuard> guard;
   if (q.is_cuda()) {
+    install_torch_workspace_allocator();
     guard.emplace(q.device());
     stream = static_cast<flashmsa::Stream>(c10::cuda::getCurrentCUDAStream(q.get_device()).stream());
   }

@@ -3,12 +3,15 @@
 // has no host synchronisation, no non-stream allocation and no other uncapturable call (a
 // global-mode capture fails on any of them), and the replays compute what an eager run computes.
 // Fast mode uses atomics (the wgmma forward's reduce-adds, the backward's dq), so fast replays are
-// compared within the tolerances; deterministic mode must give the same bits.
+// compared within the tolerances; deterministic mode must give the same bits. Also the device
+// workspace: a caller's allocator serving a whole step, and flashmsa's own pool keeping its memory.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "flashmsa/flashmsa.h"
@@ -77,9 +80,9 @@ double rel_l2_bf16(const std::vector<uint16_t>& a, const std::vector<uint16_t>& 
   return gputest::rel_l2(gputest::bf16_to_doubles(a), gputest::bf16_to_doubles(b));
 }
 
-void check_captured_step(const Shape& s, uint64_t seed, bool deterministic) {
-  Problem pr;
-  gputest::make_problem(pr, s, seed);
+// Output and gradient buffers for pr, and a fresh random d_o.
+StepBuffers make_step_buffers(const Problem& pr, uint64_t seed) {
+  const Shape& s = pr.s;
   const int64_t T = pr.T;
   StepBuffers b;
   b.sel = DeviceBuffer(static_cast<size_t>(s.Hp * T * s.K) * 4);
@@ -95,6 +98,13 @@ void check_captured_step(const Shape& s, uint64_t seed, bool deterministic) {
   b.dv = DeviceBuffer(pr.v.size() * 2);
   b.dqp = DeviceBuffer(pr.qp.size() * 2);
   b.dkp = DeviceBuffer(pr.kp.size() * 2);
+  return b;
+}
+
+void check_captured_step(const Shape& s, uint64_t seed, bool deterministic) {
+  Problem pr;
+  gputest::make_problem(pr, s, seed);
+  StepBuffers b = make_step_buffers(pr, seed);
   flashmsa::Options opt = pr.options();
   opt.deterministic = deterministic;
 
@@ -168,6 +178,130 @@ TEST(CudaGraph, TrainingStepCapturedAndReplayedFast) {
 TEST(CudaGraph, TrainingStepCapturedAndReplayedDeterministic) {
   GPUTEST_REQUIRE_DEVICE();
   check_captured_step(shape(32, 2, 2, 1, 128, 16, {1500, 0, 700}), 203, true);
+}
+
+// ---- device workspace (flashmsa.h: workspace_memory_pool, set_workspace_allocator) ----
+
+// A caller's allocator that counts what it hands out, on the stream it is given.
+struct CountingAllocator {
+  int allocs = 0, frees = 0;
+  size_t live = 0, bytes_total = 0;
+  std::vector<std::pair<void*, size_t>> blocks;
+  static void* allocate(void* ctx, size_t bytes, int, flashmsa::Stream stream) {
+    auto* self = static_cast<CountingAllocator*>(ctx);
+    void* p = nullptr;
+    if (cudaMallocAsync(&p, bytes, static_cast<cudaStream_t>(stream)) != cudaSuccess) return nullptr;
+    ++self->allocs;
+    self->live += bytes;
+    self->bytes_total += bytes;
+    self->blocks.emplace_back(p, bytes);
+    return p;
+  }
+  static void deallocate(void* ctx, void* p, int, flashmsa::Stream stream) {
+    auto* self = static_cast<CountingAllocator*>(ctx);
+    for (auto it = self->blocks.begin(); it != self->blocks.end(); ++it)
+      if (it->first == p) {
+        self->live -= it->second;
+        self->blocks.erase(it);
+        ++self->frees;
+        cudaFreeAsync(p, static_cast<cudaStream_t>(stream));
+        return;
+      }
+    ADD_FAILURE() << "deallocate of a pointer the allocator never gave out";
+  }
+};
+
+// Every workspace buffer of a step comes from the caller's allocator and goes back to it, and the
+// step computes the same bits as with flashmsa's own pool (deterministic mode).
+TEST(CudaWorkspace, CallerAllocatorServesTheWholeStep) {
+  GPUTEST_REQUIRE_DEVICE();
+  const Shape s = shape(32, 2, 2, 1, 128, 16, {1500, 0, 700});
+  Problem pr;
+  gputest::make_problem(pr, s, 211);
+  StepBuffers b = make_step_buffers(pr, 211);
+  flashmsa::Options opt = pr.options();
+  opt.deterministic = true;
+  cudaStream_t stream = nullptr;
+  GPUTEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  poison(b);
+  enqueue_step(pr, opt, b, stream);
+  GPUTEST_CUDA(cudaStreamSynchronize(stream));
+  const StepResult own_pool = take(b);
+
+  CountingAllocator counter;
+  flashmsa::WorkspaceAllocator hook;
+  hook.allocate = &CountingAllocator::allocate;
+  hook.deallocate = &CountingAllocator::deallocate;
+  hook.context = &counter;
+  flashmsa::set_workspace_allocator(hook);
+  poison(b);
+  try {
+    enqueue_step(pr, opt, b, stream);
+  } catch (const flashmsa::Error& e) {
+    ADD_FAILURE() << "the step threw with a caller's allocator: " << e.what();
+  }
+  GPUTEST_CUDA(cudaStreamSynchronize(stream));
+  flashmsa::set_workspace_allocator(flashmsa::WorkspaceAllocator());
+  const StepResult hooked = take(b);
+  EXPECT_GT(counter.allocs, 2) << "the step's index and accumulators did not come from the allocator";
+  EXPECT_GT(counter.bytes_total, static_cast<size_t>(pr.T * s.H * s.D) * 2) << "the backward's accumulators are larger than q";
+  EXPECT_EQ(counter.frees, counter.allocs);
+  EXPECT_EQ(counter.live, 0u);
+  EXPECT_EQ(hooked.o, own_pool.o);
+  EXPECT_EQ(hooked.lse, own_pool.lse);
+  EXPECT_EQ(hooked.dq, own_pool.dq);
+  EXPECT_EQ(hooked.dk, own_pool.dk);
+  EXPECT_EQ(hooked.dv, own_pool.dv);
+  EXPECT_EQ(hooked.dqp, own_pool.dqp);
+  EXPECT_EQ(hooked.dkp, own_pool.dkp);
+  EXPECT_EQ(std::memcmp(&hooked.kl_bwd, &own_pool.kl_bwd, 4), 0);
+  cudaStreamDestroy(stream);
+}
+
+// flashmsa's pool gives every buffer back at the end of a call but keeps the memory mapped across
+// synchronisations (the next call reuses it), and bad arguments name themselves.
+TEST(CudaWorkspace, OwnPoolKeepsItsMemory) {
+  GPUTEST_REQUIRE_DEVICE();
+  const Shape s = shape(32, 2, 2, 1, 128, 16, {1500, 700});
+  Problem pr;
+  gputest::make_problem(pr, s, 212);
+  StepBuffers b = make_step_buffers(pr, 212);
+  cudaStream_t stream = nullptr;
+  GPUTEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  poison(b);
+  enqueue_step(pr, pr.options(), b, stream);
+  GPUTEST_CUDA(cudaStreamSynchronize(stream));
+  GPUTEST_CUDA(cudaDeviceSynchronize());  // a synchronisation trims pools above their threshold
+  int device = 0;
+  GPUTEST_CUDA(cudaGetDevice(&device));
+  auto pool = static_cast<cudaMemPool_t>(flashmsa::workspace_memory_pool(device));
+  uint64_t used = 1, reserved = 0, high = 0;
+  GPUTEST_CUDA(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used));
+  GPUTEST_CUDA(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved));
+  GPUTEST_CUDA(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high));
+  EXPECT_EQ(used, 0u) << "a workspace buffer was not given back";
+  EXPECT_GT(high, static_cast<uint64_t>(pr.T * s.H * s.D) * 2) << "the backward's workspace did not come from the pool";
+  EXPECT_GE(reserved, high) << "the pool handed memory back at the synchronisation";
+  GPUTEST_CUDA(cudaMemPoolTrimTo(pool, 0));
+  cudaStreamDestroy(stream);
+
+  auto expect_error_naming = [](auto call, const char* argument) {
+    try {
+      call();
+      ADD_FAILURE() << "no error for a bad '" << argument << "'";
+    } catch (const flashmsa::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("'" + std::string(argument) + "'"), std::string::npos) << e.what();
+    }
+  };
+  expect_error_naming([] { flashmsa::workspace_memory_pool(-1); }, "device_index");
+  expect_error_naming([] { flashmsa::workspace_memory_pool(4096); }, "device_index");
+  expect_error_naming(
+      [] {
+        flashmsa::WorkspaceAllocator half;
+        half.allocate = &CountingAllocator::allocate;
+        flashmsa::set_workspace_allocator(half);
+      },
+      "allocator");
 }
 
 }  // namespace

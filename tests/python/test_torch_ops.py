@@ -369,6 +369,28 @@ def test_cuda_cu_seqlens_host_and_device_agree():
 
 
 @needs_cuda
+def test_cuda_workspace_comes_from_torch_allocator():
+    """The library's backward workspace (an fp32 dq accumulator of 2 x size(q) among it) is taken
+    from torch's caching allocator: torch's peak during the op exceeds its five outputs by more
+    than size(q). With flashmsa's own pool it would be the outputs alone."""
+    inputs, cu = _problem("packed", CUDA_CFG, torch.bfloat16, "cuda", seed=5)
+    q, k, v, qp, kp = (t.detach() for t in inputs)
+    o, lse, idx, _ = torch.ops.flashmsa.forward(q, k, v, qp, kp, cu.cuda(), cu, 128, 4, 1, 0.0, 0.0,
+                                                1.0, "sparse", False)
+    d_o = torch.randn_like(o)
+    g = torch.ones((), device="cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    grads = torch.ops.flashmsa.backward(q, k, v, qp, kp, cu.cuda(), cu, idx, o, lse, d_o, g, 128, 4, 1,
+                                        0.0, 0.0, 1.0, "sparse", False)
+    torch.cuda.synchronize()
+    outputs = sum(t.numel() * t.element_size() for t in grads)
+    assert torch.cuda.max_memory_allocated() - base > outputs + q.numel() * q.element_size()
+    assert all(torch.isfinite(t).all() for t in grads)
+
+
+@needs_cuda
 @pytest.mark.parametrize("mode", ["sparse", "warmup"])
 def test_opcheck_cuda(mode):
     _opcheck("cuda", torch.bfloat16, CUDA_CFG, CUDA_OPT, mode)

@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "common/workspace_memory.h"
 #include "flashmsa/flashmsa.h"
 
 namespace flashmsa::cuda {
@@ -16,20 +17,16 @@ namespace flashmsa::cuda {
               " at " + file + ":" + std::to_string(line));
 }
 
-// A stream-ordered allocation of `count` T that is freed on its stream when the scope ends, also
-// when a later launch throws (the free is then unchecked: an error is already in flight).
+// A stream-ordered workspace allocation (workspace_memory.h) of `count` T that is freed on its
+// stream when the scope ends, also when a later launch throws (the free is then unchecked: an
+// error is already in flight).
 template <typename T>
 class StreamAllocation {
  public:
   StreamAllocation(size_t count, cudaStream_t stream) : stream_(stream) {
-    if (count > 0) {
-      const cudaError_t err = cudaMallocAsync(reinterpret_cast<void**>(&ptr_), count * sizeof(T), stream);
-      if (err != cudaSuccess) throw_cuda_error(err, "cudaMallocAsync", __FILE__, __LINE__);
-    }
+    if (count > 0) ptr_ = static_cast<T*>(workspace_allocate(count * sizeof(T), stream));
   }
-  ~StreamAllocation() {
-    if (ptr_ != nullptr) cudaFreeAsync(ptr_, stream_);
-  }
+  ~StreamAllocation() { workspace_free(ptr_, stream_); }
   StreamAllocation(const StreamAllocation&) = delete;
   StreamAllocation& operator=(const StreamAllocation&) = delete;
   T* get() const { return ptr_; }

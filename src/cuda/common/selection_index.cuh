@@ -34,9 +34,19 @@ inline int grid_for(int64_t n, int threads, int64_t cap = 65536) {
 }
 
 // Bump allocator over one stream-ordered allocation: offsets are planned first (so every size
-// is known before anything is allocated or launched), then one cudaMallocAsync.
+// is known before anything is allocated or launched), then one workspace allocation.
+// Freed by release (checked) or, on an error path, by the destructor (unchecked). Movable while
+// unallocated (plans are returned by value), never copied.
 class Workspace {
  public:
+  Workspace() = default;
+  Workspace(Workspace&& other) noexcept : base_(other.base_), size_(other.size_), stream_(other.stream_) {
+    other.base_ = nullptr;
+  }
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+  Workspace& operator=(Workspace&&) = delete;
+  ~Workspace() { workspace_free(base_, stream_); }
   size_t add(size_t bytes) {
     const size_t at = size_;
     size_ += (bytes + 255) / 256 * 256;
@@ -44,10 +54,11 @@ class Workspace {
   }
   size_t size() const { return size_; }
   void allocate(cudaStream_t s) {
-    if (size_ > 0) FLASHMSA_CUDA_CHECK(cudaMallocAsync(&base_, size_, s));
+    stream_ = s;
+    if (size_ > 0) base_ = workspace_allocate(size_, s);
   }
   void release(cudaStream_t s) {
-    if (base_) FLASHMSA_CUDA_CHECK(cudaFreeAsync(base_, s));
+    if (base_) FLASHMSA_CUDA_CHECK(workspace_free(base_, s));
     base_ = nullptr;
   }
   template <typename U>
@@ -58,6 +69,7 @@ class Workspace {
  private:
   void* base_ = nullptr;
   size_t size_ = 0;
+  cudaStream_t stream_ = nullptr;
 };
 
 // Internal linkage, as build_tile_offsets_kernel: each including translation unit gets its own

@@ -314,27 +314,21 @@ void launch_dense_attention_forward(const MsaParams& p, cudaStream_t stream) {
   const int64_t bound = (p.T + kBlk - 1) / kBlk + p.B;
   if (bound * p.H > INT_MAX)
     throw Error("flashmsa: dense attention forward: argument 'q' has too many tokens x heads");
-  int32_t* tile_off = nullptr;
-  FLASHMSA_CUDA_CHECK(cudaMallocAsync(&tile_off, sizeof(int32_t) * (p.B + 1), stream));
-  try {
-    build_tile_offsets_kernel<<<1, 1024, 0, stream>>>(p.cu_seqlens, p.B, kBlk, tile_off);
-    FLASHMSA_CHECK_LAUNCH();
-    FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(
-        dense_fwd_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
-    const CUtensorMap q_map = make_bf16_row_map(p.q, p.T, p.H, kHeadDim, kBlk);
-    const CUtensorMap k_map = make_bf16_row_map(p.k, p.T, p.Hkv, kHeadDim, kBlk);
-    const CUtensorMap v_map = make_bf16_row_map(p.v, p.T, p.Hkv, kHeadDim, kBlk);
-    const float scale_log2 = p.scale * kLog2e;
-    const int tb = static_cast<int>(bound);
-    dense_fwd_kernel<<<static_cast<unsigned>(bound * p.H), kThreads, kSmem, stream>>>(
-        q_map, k_map, v_map, p.cu_seqlens, tile_off, p.T, p.B, p.H, p.Hkv, tb, scale_log2,
-        static_cast<__nv_bfloat16*>(p.o), p.lse);
-    FLASHMSA_CHECK_LAUNCH();
-  } catch (...) {
-    cudaFreeAsync(tile_off, stream);
-    throw;
-  }
-  FLASHMSA_CUDA_CHECK(cudaFreeAsync(tile_off, stream));
+  const StreamAllocation<int32_t> tile_alloc(p.B + 1, stream);
+  int32_t* tile_off = tile_alloc.get();
+  build_tile_offsets_kernel<<<1, 1024, 0, stream>>>(p.cu_seqlens, p.B, kBlk, tile_off);
+  FLASHMSA_CHECK_LAUNCH();
+  FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(
+      dense_fwd_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
+  const CUtensorMap q_map = make_bf16_row_map(p.q, p.T, p.H, kHeadDim, kBlk);
+  const CUtensorMap k_map = make_bf16_row_map(p.k, p.T, p.Hkv, kHeadDim, kBlk);
+  const CUtensorMap v_map = make_bf16_row_map(p.v, p.T, p.Hkv, kHeadDim, kBlk);
+  const float scale_log2 = p.scale * kLog2e;
+  const int tb = static_cast<int>(bound);
+  dense_fwd_kernel<<<static_cast<unsigned>(bound * p.H), kThreads, kSmem, stream>>>(
+      q_map, k_map, v_map, p.cu_seqlens, tile_off, p.T, p.B, p.H, p.Hkv, tb, scale_log2,
+      static_cast<__nv_bfloat16*>(p.o), p.lse);
+  FLASHMSA_CHECK_LAUNCH();
 }
 
 }  // namespace flashmsa::cuda

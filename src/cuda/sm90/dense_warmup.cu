@@ -46,19 +46,12 @@ void with_dense_selection(const MsaParams& p, cudaStream_t stream, Body body) {
   dense.top_k = K;
   dense.local_blocks = K;
   dense.all_blocks = true;
-  int32_t* idx = nullptr;
-  FLASHMSA_CUDA_CHECK(cudaMallocAsync(&idx, n * sizeof(int32_t), stream));
+  const StreamAllocation<int32_t> idx(n, stream);
   const int grid = static_cast<int>(std::min<int64_t>(65536, (n + 255) / 256));
-  all_blocks_kernel<<<grid, 256, 0, stream>>>(p.cu_seqlens, p.B, p.T, K, n, idx);
+  all_blocks_kernel<<<grid, 256, 0, stream>>>(p.cu_seqlens, p.B, p.T, K, n, idx.get());
   FLASHMSA_CHECK_LAUNCH();
-  dense.block_idx = idx;
-  try {
-    body(dense);
-  } catch (...) {
-    cudaFreeAsync(idx, stream);
-    throw;
-  }
-  FLASHMSA_CUDA_CHECK(cudaFreeAsync(idx, stream));
+  dense.block_idx = idx.get();
+  body(dense);
 }
 
 }  // namespace

@@ -261,16 +261,9 @@ void launch_student_lse(const MsaParams& p, cudaStream_t stream, const bwd::Inde
     proxy.scale = p.proxy_scale;
     proxy.lse = lse_s;
     proxy.kl = nullptr;
-    void* o_scratch = nullptr;  // [T, Hp, Dp] bf16
-    FLASHMSA_CUDA_CHECK(cudaMallocAsync(&o_scratch, static_cast<size_t>(p.T) * p.Hp * p.Dp * sizeof(bf16), stream));
-    proxy.o = o_scratch;
-    try {
-      launch_dense_attention_forward(proxy, stream);
-    } catch (...) {
-      cudaFreeAsync(o_scratch, stream);
-      throw;
-    }
-    FLASHMSA_CUDA_CHECK(cudaFreeAsync(o_scratch, stream));
+    const StreamAllocation<bf16> o_scratch(static_cast<size_t>(p.T) * p.Hp * p.Dp, stream);  // [T, Hp, Dp]
+    proxy.o = o_scratch.get();
+    launch_dense_attention_forward(proxy, stream);
     return;
   }
   const int64_t nrow = static_cast<int64_t>(p.Hp) * p.T;

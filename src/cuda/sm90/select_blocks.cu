@@ -221,24 +221,19 @@ void launch_select_blocks(const MsaParams& p, cudaStream_t stream) {
   // host without reading cu_seqlens: T/128 + B. CTAs past the device-computed total exit.
   const int64_t bound = (p.T + kBlk - 1) / kBlk + p.B;
   if (bound > INT_MAX) throw Error("flashmsa: select_blocks: argument 'q' has too many tokens");
-  int32_t* tile_off = nullptr;
-  FLASHMSA_CUDA_CHECK(cudaMallocAsync(&tile_off, sizeof(int32_t) * (p.B + 1), stream));
+  // Freed on every path, also when a launch throws (e.g. a driver without cuTensorMapEncodeTiled).
+  const StreamAllocation<int32_t> tile_alloc(p.B + 1, stream);
+  int32_t* tile_off = tile_alloc.get();
   build_tile_offsets_kernel<<<1, 1024, 0, stream>>>(p.cu_seqlens, p.B, kBlk, tile_off);
   FLASHMSA_CHECK_LAUNCH();
   const int tb = static_cast<int>(bound);
-  try {  // e.g. a driver without cuTensorMapEncodeTiled: free tile_off before reporting
-    if (p.Dp == 64) {
-      if (p.top_k <= 16) launch_select<64, 16>(p, tile_off, tb, stream);
-      else launch_select<64, 32>(p, tile_off, tb, stream);
-    } else {
-      if (p.top_k <= 16) launch_select<128, 16>(p, tile_off, tb, stream);
-      else launch_select<128, 32>(p, tile_off, tb, stream);
-    }
-  } catch (...) {
-    cudaFreeAsync(tile_off, stream);
-    throw;
+  if (p.Dp == 64) {
+    if (p.top_k <= 16) launch_select<64, 16>(p, tile_off, tb, stream);
+    else launch_select<64, 32>(p, tile_off, tb, stream);
+  } else {
+    if (p.top_k <= 16) launch_select<128, 16>(p, tile_off, tb, stream);
+    else launch_select<128, 32>(p, tile_off, tb, stream);
   }
-  FLASHMSA_CUDA_CHECK(cudaFreeAsync(tile_off, stream));
 }
 
 }  // namespace flashmsa::cuda
