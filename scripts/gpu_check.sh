@@ -4,8 +4,8 @@
 # Results (logs, JSON) go to $OUT. Binaries are built on the workstation for sm_90a first:
 #   bash scripts/build_gpu_bundle.sh      # -> scratch-gpu/ (flashmsa_gpu_tests, flashmsa_run, _C.so)
 # and the device call carries scratch-gpu. Stages: tests sanitizer main python scale bench (default:
-# all); `scale` runs the main job at m3 64k (phase split, memory), 1M tokens, deterministic 64k and the
-# dense warm-up at 16k.
+# all); `scale` runs the main job at m3 64k (phase split, memory), 1M tokens, deterministic 64k, fm16k and
+# the dense warm-up at 16k (with --graph: the step captured in a CUDA graph, too).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-scratch-gpu}
@@ -39,14 +39,16 @@ has main && run_stage main_job "$BIN/flashmsa_run" --device cuda --seqlen 8192 -
   --json "$LOGS/main_job.json"
 has python && run_stage python_cuda python3 -m pytest -q -x tests/python -k "cuda or Cuda or CUDA"
 if has scale; then
-  run_stage m3_64k "$BIN/flashmsa_run" --device cuda --seqlen 65536 --check-tokens 4 --check-keys 1 \
+  run_stage m3_64k "$BIN/flashmsa_run" --device cuda --seqlen 65536 --check-tokens 4 --check-keys 1 --graph \
     --json "$LOGS/m3_64k.json"
   run_stage m3_1M "$BIN/flashmsa_run" --device cuda --seqlen 1048576 --check-tokens 0 --iters 3 \
     --json "$LOGS/m3_1M.json"
-  run_stage m3_64k_det "$BIN/flashmsa_run" --device cuda --seqlen 65536 --check-tokens 0 --deterministic \
+  run_stage m3_64k_det "$BIN/flashmsa_run" --device cuda --seqlen 65536 --check-tokens 0 --deterministic --graph \
     --json "$LOGS/m3_64k_det.json"
+  run_stage fm16k "$BIN/flashmsa_run" --device cuda --seqlen 16384 --heads 16 --kv-heads 2 --check-tokens 2 \
+    --check-keys 1 --graph --json "$LOGS/fm16k.json"
   run_stage m3_16k_warmup "$BIN/flashmsa_run" --device cuda --seqlen 16384 --mode warmup --check-tokens 2 \
-    --check-keys 0 --json "$LOGS/m3_16k_warmup.json"
+    --check-keys 0 --graph --json "$LOGS/m3_16k_warmup.json"
 fi
 has bench && run_stage bench timeout "${BENCH_TIMEOUT:-420}" python3 bench/bench_gpu.py --out "$LOGS/bench.json" \
   --phases "$BIN/flashmsa_run" ${BENCH_ARGS:-}
