@@ -1027,43 +1027,53 @@ void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
     // kernel fills the SMs another lane's launch leaves idle during its ramp and tail.
     // The fork comes after everything above (allocation, index, plan) on the caller's stream; the
     // join before the workspace is freed (the fork's destructor joins on the error path).
-    std::vector<cudaStream_t> lanes(static_cast<size_t>(pl.S), stream);
     StreamFork fork(stream, device, pl.S > 1 ? pl.S : 0);
-    for (int l = 0; l < pl.S && pl.S > 1; ++l) lanes[static_cast<size_t>(l)] = fork[l];
-    for (int l = 0; l < pl.S; ++l) {
-      const cudaStream_t st = lanes[static_cast<size_t>(l)];
-      unsigned char* acc = ws.at<unsigned char>(pl.o_acc + pl.acc_stride * static_cast<size_t>(l));
-      float* acc_o = reinterpret_cast<float*>(acc);                // [Ceff, M, 128]
-      float* acc_l = reinterpret_cast<float*>(acc + pl.d_acc_l);  // [Ceff, M]
-      float* mref = reinterpret_cast<float*>(acc + pl.d_mref);    // [Ceff, M]
-      // finprep: finalize (c_f, p_f) if any, prepare (c_n, p_n) if any.
-      auto finprep = [&](int c_f, int p_f, int c_n, int p_n) {
-        const int fin_n = c_f >= 0 ? pl.c1[c_f] - pl.c0[c_f] : 0;
-        const int prep_n = c_n >= 0 ? pl.c1[c_n] - pl.c0[c_n] : 0;
-        const int64_t rows = static_cast<int64_t>(std::max(fin_n, prep_n)) * M;
-        kvw_finprep_kernel<M, DET><<<grid_for(rows * 32, 256), 256, 0, st>>>(
-            c_f >= 0 ? pl.c0[c_f] : 0, fin_n, p_f * M, c_n >= 0 ? pl.c0[c_n] : 0, prep_n, p_n * M, p_n * M / r, q,
-            k, p.H, p.Hkv, p.T, scale_log2, mref, acc_o, acc_l, o, p.lse, overflow, fx);
-        FLASHMSA_CHECK_LAUNCH();
-      };
-      // This lane's (chunk, group) pairs: chunk-major, groups l, l + S, ...
+    struct Lane {
+      cudaStream_t st = nullptr;
+      float* acc_o = nullptr;  // [Ceff, M, 128]
+      float* acc_l = nullptr;  // [Ceff, M]
+      float* mref = nullptr;   // [Ceff, M]
       int c_prev = -1, g_prev = 0;
-      for (int c = 0; c < pl.n_chunks; ++c) {
+    };
+    std::vector<Lane> lane(static_cast<size_t>(pl.S));
+    for (int l = 0; l < pl.S; ++l) {
+      unsigned char* acc = ws.at<unsigned char>(pl.o_acc + pl.acc_stride * static_cast<size_t>(l));
+      lane[l].st = pl.S > 1 ? fork[l] : stream;
+      lane[l].acc_o = reinterpret_cast<float*>(acc);
+      lane[l].acc_l = reinterpret_cast<float*>(acc + pl.d_acc_l);
+      lane[l].mref = reinterpret_cast<float*>(acc + pl.d_mref);
+    }
+    // finprep on lane L: finalize (c_f, p_f) if any, prepare (c_n, p_n) if any.
+    auto finprep = [&](const Lane& L, int c_f, int p_f, int c_n, int p_n) {
+      const int fin_n = c_f >= 0 ? pl.c1[c_f] - pl.c0[c_f] : 0;
+      const int prep_n = c_n >= 0 ? pl.c1[c_n] - pl.c0[c_n] : 0;
+      const int64_t rows = static_cast<int64_t>(std::max(fin_n, prep_n)) * M;
+      kvw_finprep_kernel<M, DET><<<grid_for(rows * 32, 256), 256, 0, L.st>>>(
+          c_f >= 0 ? pl.c0[c_f] : 0, fin_n, p_f * M, c_n >= 0 ? pl.c0[c_n] : 0, prep_n, p_n * M, p_n * M / r, q,
+          k, p.H, p.Hkv, p.T, scale_log2, L.mref, L.acc_o, L.acc_l, o, p.lse, overflow, fx);
+      FLASHMSA_CHECK_LAUNCH();
+    };
+    // Each lane's (chunk, group) pairs chunk-major, groups l, l + S, ...; issued chunk by chunk across
+    // the lanes (each lane's own order unchanged), so that a captured graph records the lanes' launches
+    // interleaved as eager streams run them.
+    for (int c = 0; c < pl.n_chunks; ++c) {
+      for (int l = 0; l < pl.S; ++l) {
+        Lane& L = lane[l];
         for (int g = l; g < p.Hp; g += pl.S) {
-          finprep(c_prev, g_prev, c, g);
+          finprep(L, L.c_prev, L.g_prev, c, g);
           const int slot = g * pl.n_chunks + c;
           const unsigned grid = static_cast<unsigned>(std::min<int64_t>(pl.bound[c], sms));
-          kvw_fwd_kernel<M, DET><<<grid, kThreads, kSmem, st>>>(
+          kvw_fwd_kernel<M, DET><<<grid, kThreads, kSmem, L.st>>>(
               q_map, k_map, v_map, items + g * pl.items_per_group + pl.off[c], n_items + slot, counters + slot,
-              ws.at<int32_t>(pl.sel.o_vals_out), mref, acc_o, acc_l, overflow, p.top_k, pl.c0[c], g * M,
+              ws.at<int32_t>(pl.sel.o_vals_out), L.mref, L.acc_o, L.acc_l, overflow, p.top_k, pl.c0[c], g * M,
               g * M / r, scale_log2, fx);
           FLASHMSA_CHECK_LAUNCH();
-          c_prev = c;
-          g_prev = g;
+          L.c_prev = c;
+          L.g_prev = g;
         }
       }
-      finprep(c_prev, g_prev, -1, 0);
     }
+    for (const Lane& L : lane) finprep(L, L.c_prev, L.g_prev, -1, 0);
     fork.join();
   } catch (...) {
     ws.release(stream);
