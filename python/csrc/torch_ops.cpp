@@ -169,8 +169,11 @@ void* torch_workspace_allocate(void*, size_t bytes, int, flashmsa::Stream stream
     return nullptr;  // the library raises its own error, naming the size
   }
 }
-void torch_workspace_deallocate(void*, void* ptr, int, flashmsa::Stream) {
-  c10::cuda::CUDACachingAllocator::raw_delete(ptr);
+void torch_workspace_deallocate(void*, void* ptr, int, flashmsa::Stream) noexcept {
+  try {
+    c10::cuda::CUDACachingAllocator::raw_delete(ptr);
+  } catch (...) {  // called from destructors too: a failure here must not terminate
+  }
 }
 void install_torch_workspace_allocator() {
   static const bool installed = [] {

@@ -25,6 +25,14 @@ cudaMemPool_t pool_of(int device) {  // g_mutex held
     if (device >= count)
       throw Error("flashmsa: workspace_memory_pool: argument 'device_index' " + std::to_string(device) +
                   " is not a CUDA device (" + std::to_string(count) + " present)");
+    // Creating the pool is not a capturable call: a first call made inside a stream capture (of
+    // any mode) would invalidate it. Relaxed mode for this thread makes it legal there.
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    FLASHMSA_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+    struct RestoreMode {
+      cudaStreamCaptureMode mode;
+      ~RestoreMode() { cudaThreadExchangeStreamCaptureMode(&mode); }
+    } restore{mode};
     cudaMemPoolProps props{};
     props.allocType = cudaMemAllocationTypePinned;
     props.location.type = cudaMemLocationTypeDevice;

@@ -58,8 +58,9 @@ class Workspace {
     if (size_ > 0) base_ = workspace_allocate(size_, s);
   }
   void release(cudaStream_t s) {
-    if (base_) FLASHMSA_CUDA_CHECK(workspace_free(base_, s));
-    base_ = nullptr;
+    void* base = base_;
+    base_ = nullptr;  // before the check: a failed free must not be repeated by the destructor
+    if (base) FLASHMSA_CUDA_CHECK(workspace_free(base, s));
   }
   template <typename U>
   U* at(size_t offset) const {
