@@ -101,6 +101,15 @@ StepBuffers make_step_buffers(const Problem& pr, uint64_t seed) {
   return b;
 }
 
+// Poisons b, runs one eager step on `stream`, takes its results into `out`.
+void run_eager(const Problem& pr, const flashmsa::Options& opt, StepBuffers& b, cudaStream_t stream,
+               StepResult& out) {
+  poison(b);
+  enqueue_step(pr, opt, b, stream);
+  GPUTEST_CUDA(cudaStreamSynchronize(stream));
+  out = take(b);
+}
+
 void check_captured_step(const Shape& s, uint64_t seed, bool deterministic) {
   Problem pr;
   gputest::make_problem(pr, s, seed);
@@ -110,10 +119,8 @@ void check_captured_step(const Shape& s, uint64_t seed, bool deterministic) {
 
   cudaStream_t stream = nullptr;
   GPUTEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  poison(b);
-  enqueue_step(pr, opt, b, stream);
-  GPUTEST_CUDA(cudaStreamSynchronize(stream));
-  const StepResult eager = take(b);
+  StepResult eager;
+  run_eager(pr, opt, b, stream, eager);
 
   cudaGraph_t graph = nullptr;
   GPUTEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
@@ -223,10 +230,8 @@ TEST(CudaWorkspace, CallerAllocatorServesTheWholeStep) {
   opt.deterministic = true;
   cudaStream_t stream = nullptr;
   GPUTEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  poison(b);
-  enqueue_step(pr, opt, b, stream);
-  GPUTEST_CUDA(cudaStreamSynchronize(stream));
-  const StepResult own_pool = take(b);
+  StepResult own_pool, hooked;
+  run_eager(pr, opt, b, stream, own_pool);
 
   CountingAllocator counter;
   flashmsa::WorkspaceAllocator hook;
@@ -234,15 +239,14 @@ TEST(CudaWorkspace, CallerAllocatorServesTheWholeStep) {
   hook.deallocate = &CountingAllocator::deallocate;
   hook.context = &counter;
   flashmsa::set_workspace_allocator(hook);
-  poison(b);
   try {
-    enqueue_step(pr, opt, b, stream);
+    run_eager(pr, opt, b, stream, hooked);
   } catch (const flashmsa::Error& e) {
     ADD_FAILURE() << "the step threw with a caller's allocator: " << e.what();
   }
-  GPUTEST_CUDA(cudaStreamSynchronize(stream));
+  cudaStreamSynchronize(stream);
+  // Uninstalled on every path: later tests must not reach `counter` after this scope.
   flashmsa::set_workspace_allocator(flashmsa::WorkspaceAllocator());
-  const StepResult hooked = take(b);
   EXPECT_GT(counter.allocs, 2) << "the step's index and accumulators did not come from the allocator";
   EXPECT_GT(counter.bytes_total, static_cast<size_t>(pr.T * s.H * s.D) * 2) << "the backward's accumulators are larger than q";
   EXPECT_EQ(counter.frees, counter.allocs);
@@ -266,16 +270,16 @@ TEST(CudaWorkspace, OwnPoolKeepsItsMemory) {
   Problem pr;
   gputest::make_problem(pr, s, 212);
   StepBuffers b = make_step_buffers(pr, 212);
-  cudaStream_t stream = nullptr;
-  GPUTEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  poison(b);
-  enqueue_step(pr, pr.options(), b, stream);
-  GPUTEST_CUDA(cudaStreamSynchronize(stream));
-  GPUTEST_CUDA(cudaDeviceSynchronize());  // a synchronisation trims pools above their threshold
   int device = 0;
   GPUTEST_CUDA(cudaGetDevice(&device));
   auto pool = static_cast<cudaMemPool_t>(flashmsa::workspace_memory_pool(device));
   uint64_t used = 1, reserved = 0, high = 0;
+  GPUTEST_CUDA(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high));  // this step's peak only
+  cudaStream_t stream = nullptr;
+  GPUTEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  StepResult r;
+  run_eager(pr, pr.options(), b, stream, r);
+  GPUTEST_CUDA(cudaDeviceSynchronize());  // a synchronisation trims pools above their threshold
   GPUTEST_CUDA(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used));
   GPUTEST_CUDA(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved));
   GPUTEST_CUDA(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high));

@@ -985,7 +985,7 @@ void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
 
   Workspace& ws = pl.ws;
   ws.allocate(stream);
-  try {
+  {  // On an error the fork (below) joins its helpers at this block's end, then ~Workspace frees ws.
     build_selection_index(p, pl.sel, ws, stream);
     FLASHMSA_CUDA_CHECK(cudaMemsetAsync(overflow, 0, sizeof(int32_t) * p.T, stream));
     const float* fx = nullptr;  // DET: {fx_o, fx_l}
@@ -1075,9 +1075,6 @@ void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
     }
     for (const Lane& L : lane) finprep(L, L.c_prev, L.g_prev, -1, 0);
     fork.join();
-  } catch (...) {
-    ws.release(stream);
-    throw;
   }
   ws.release(stream);
 }
