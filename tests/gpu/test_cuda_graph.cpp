@@ -174,6 +174,54 @@ void check_captured_step(const Shape& s, uint64_t seed, bool deterministic) {
   cudaStreamDestroy(stream);
 }
 
+// The step captured BEFORE any eager call (alone in its process under ctest: then its capture makes
+// the pool and the forward's helper streams), replayed, and compared with an eager run made after.
+TEST(CudaGraph, FirstCallInsideCapture) {
+  GPUTEST_REQUIRE_DEVICE();
+  const Shape s = shape(32, 2, 2, 1, 128, 16, {1500, 0, 700});
+  Problem pr;
+  gputest::make_problem(pr, s, 213);
+  StepBuffers b = make_step_buffers(pr, 213);
+  flashmsa::Options opt = pr.options();
+  opt.deterministic = true;
+  cudaStream_t stream = nullptr;
+  GPUTEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  poison(b);
+  cudaGraph_t graph = nullptr;
+  GPUTEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  try {
+    enqueue_step(pr, opt, b, stream);
+  } catch (const flashmsa::Error& e) {
+    cudaStreamEndCapture(stream, &graph);
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+    FAIL() << "the first call threw under capture: " << e.what();
+  }
+  GPUTEST_CUDA(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec = nullptr;
+  GPUTEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  GPUTEST_CUDA(cudaGraphLaunch(exec, stream));
+  GPUTEST_CUDA(cudaStreamSynchronize(stream));
+  const StepResult replay = take(b);
+  poison(b);
+  enqueue_step(pr, opt, b, stream);
+  GPUTEST_CUDA(cudaStreamSynchronize(stream));
+  const StepResult eager = take(b);
+  EXPECT_EQ(replay.sel, eager.sel);
+  EXPECT_EQ(replay.o, eager.o);
+  EXPECT_EQ(replay.lse, eager.lse);
+  EXPECT_EQ(replay.dq, eager.dq);
+  EXPECT_EQ(replay.dk, eager.dk);
+  EXPECT_EQ(replay.dv, eager.dv);
+  EXPECT_EQ(replay.dqp, eager.dqp);
+  EXPECT_EQ(replay.dkp, eager.dkp);
+  EXPECT_EQ(std::memcmp(&replay.kl_bwd, &eager.kl_bwd, 4), 0);
+  EXPECT_GT(eager.kl_fwd, 0.f);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
 // m = 16 on Hkv = Hp (the m3 group: wgmma KV-major forward, KL value KV-major, wgmma backward)
 // and fm16k's heads (two groups per kv head: the shared-kv backward), fast and deterministic.
 TEST(CudaGraph, TrainingStepCapturedAndReplayedFast) {

@@ -106,7 +106,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 #include <vector>
 
 #include "common/bf16.cuh"
@@ -863,25 +862,45 @@ int sm_count(int device) {
   return std::max(1, n);
 }
 
-// Helper stream i of `device`: created once (non-blocking, so the legacy default stream does not
-// serialise against it), cached for the process and never destroyed. Concurrent callers share
-// them; their events keep each call's order, at worst two calls' groups queue behind each other.
+// Helper stream i of `device` for the calling host thread: created on first use (non-blocking, so
+// the legacy default stream does not serialise against it; in relaxed capture mode, so that a first
+// use inside a capture is legal), cached per thread and never destroyed (a few streams per thread
+// that calls flashmsa). Per thread because a capture that forks onto them keeps them until it ends:
+// another thread's work on them would be captured too.
 cudaStream_t helper_stream(int device, int i) {
-  static std::mutex mu;
-  static std::vector<std::vector<cudaStream_t>> cache;
-  std::lock_guard<std::mutex> lock(mu);
-  if (cache.empty()) {
-    int n = 0;
-    FLASHMSA_CUDA_CHECK(cudaGetDeviceCount(&n));
-    cache.resize(static_cast<size_t>(std::max(n, 1)));
-  }
-  std::vector<cudaStream_t>& mine = cache.at(static_cast<size_t>(device));
+  thread_local std::vector<std::vector<cudaStream_t>> cache;
+  if (static_cast<int>(cache.size()) <= device) cache.resize(static_cast<size_t>(device) + 1);
+  std::vector<cudaStream_t>& mine = cache[static_cast<size_t>(device)];
   while (static_cast<int>(mine.size()) <= i) {
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    FLASHMSA_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
     cudaStream_t st = nullptr;
-    FLASHMSA_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    const cudaError_t err = cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    FLASHMSA_CUDA_CHECK(err);
     mine.push_back(st);
   }
   return mine[static_cast<size_t>(i)];
+}
+
+// How many of `want` lanes a call on `stream` may use. Its helper streams join a capture of `stream`
+// and stay in it until that capture ends, so they can be forked when they are in no capture (they
+// then join the caller's, if it captures) or already in the caller's; when one is in another
+// capture (this thread captures a different stream while making this call eagerly), one lane.
+int usable_lanes(cudaStream_t stream, int device, int want) {
+  if (want <= 1) return want;
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  unsigned long long cid = 0;
+  FLASHMSA_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &cs, &cid));
+  if (cs == cudaStreamCaptureStatusInvalidated) return 1;
+  for (int i = 0; i < want; ++i) {
+    cudaStreamCaptureStatus hs = cudaStreamCaptureStatusNone;
+    unsigned long long hid = 0;
+    FLASHMSA_CUDA_CHECK(cudaStreamGetCaptureInfo(helper_stream(device, i), &hs, &hid));
+    if (hs == cudaStreamCaptureStatusInvalidated) return 1;
+    if (hs == cudaStreamCaptureStatusActive && (cs != cudaStreamCaptureStatusActive || hid != cid)) return 1;
+  }
+  return want;
 }
 
 // Fork of the caller's stream into n helper streams and the join back (event record + stream
@@ -963,19 +982,16 @@ __global__ void kvw_det_factors_kernel(int K, float* __restrict__ fx) {
 
 template <int M, bool DET>
 void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
-  // Under a graph capture of the caller's stream the helper streams would join the capture and
-  // stay in it until it ends, where another thread's eager work on them would be captured too:
-  // one stream then.
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  FLASHMSA_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  KvwPlan pl = plan_kvw(p, capture == cudaStreamCaptureStatusNone ? stream_count() : 1);
+  // Lanes under a graph capture too: the helper streams are this thread's (helper_stream), and
+  // usable_lanes keeps one lane where they are taken by another capture.
+  int device = 0;
+  FLASHMSA_CUDA_CHECK(cudaGetDevice(&device));
+  KvwPlan pl = plan_kvw(p, usable_lanes(stream, device, std::min(stream_count(), p.Hp)));
   // Everything that can fail without side effects, before the workspace exists.
   const CUtensorMap q_map = make_bf16_head_map(p.q, p.T, p.H, kD, M);
   const CUtensorMap k_map = make_bf16_row_map(p.k, p.T, p.Hkv, kD, kBlk);
   const CUtensorMap v_map = make_bf16_row_map(p.v, p.T, p.Hkv, kD, kBlk);
   FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kvw_fwd_kernel<M, DET>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  int device = 0;
-  FLASHMSA_CUDA_CHECK(cudaGetDevice(&device));
   const int sms = sm_count(device);
   const float scale_log2 = p.scale * kLog2e;
   const int r = p.H / p.Hkv;
@@ -1101,7 +1117,8 @@ bool kv_wgmma_forward_applies(const MsaParams& p) {
   // Workspace <= size(q) / 2 (performance.md's rule, which matters at scale), or <= 64 MiB: small
   // problems (a few thousand tokens) would otherwise lose the path to the index's fixed costs.
   const size_t limit = std::max<size_t>(static_cast<size_t>(p.T) * p.H * p.D, size_t{64} << 20);
-  // The plan with one stream too: a graph capture runs with one (run_kvw).
+  // The plan with one stream too: run_kvw falls back to one lane where its helper streams are taken
+  // by another capture (usable_lanes).
   return std::max(plan_kvw(p, stream_count()).ws.size(), plan_kvw(p, 1).ws.size()) <= limit;
 }
 
