@@ -110,6 +110,46 @@ void run_eager(const Problem& pr, const flashmsa::Options& opt, StepBuffers& b, 
   out = take(b);
 }
 
+// Captures one step on `stream` (global mode: any uncapturable call fails it) into graph / exec.
+void capture_step(const Problem& pr, const flashmsa::Options& opt, StepBuffers& b, cudaStream_t stream,
+                  cudaGraph_t& graph, cudaGraphExec_t& exec) {
+  GPUTEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  try {
+    enqueue_step(pr, opt, b, stream);
+  } catch (const flashmsa::Error& e) {
+    cudaStreamEndCapture(stream, &graph);
+    FAIL() << "the step threw under capture: " << e.what();
+  }
+  GPUTEST_CUDA(cudaStreamEndCapture(stream, &graph));
+  GPUTEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+}
+
+// Every output of r has the bits of e.
+void expect_same_bits(const StepResult& r, const StepResult& e, const std::string& what) {
+  EXPECT_EQ(r.sel, e.sel) << what << ": selection";
+  EXPECT_EQ(r.o, e.o) << what << ": o";
+  EXPECT_EQ(r.lse, e.lse) << what << ": lse";
+  EXPECT_EQ(r.dq, e.dq) << what << ": dq";
+  EXPECT_EQ(r.dk, e.dk) << what << ": dk";
+  EXPECT_EQ(r.dv, e.dv) << what << ": dv";
+  EXPECT_EQ(r.dqp, e.dqp) << what << ": dqp";
+  EXPECT_EQ(r.dkp, e.dkp) << what << ": dkp";
+  EXPECT_EQ(std::memcmp(&r.kl_fwd, &e.kl_fwd, 4), 0) << what << ": kl (forward)";
+  EXPECT_EQ(std::memcmp(&r.kl_bwd, &e.kl_bwd, 4), 0) << what << ": kl (backward)";
+}
+
+// Stream and graph handles of one test, released however it ends.
+struct Handles {
+  cudaStream_t stream = nullptr;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  ~Handles() {
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+    if (stream) cudaStreamDestroy(stream);
+  }
+};
+
 void check_captured_step(const Shape& s, uint64_t seed, bool deterministic) {
   Problem pr;
   gputest::make_problem(pr, s, seed);
@@ -117,61 +157,38 @@ void check_captured_step(const Shape& s, uint64_t seed, bool deterministic) {
   flashmsa::Options opt = pr.options();
   opt.deterministic = deterministic;
 
-  cudaStream_t stream = nullptr;
-  GPUTEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  Handles g;
+  GPUTEST_CUDA(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking));
   StepResult eager;
-  run_eager(pr, opt, b, stream, eager);
-
-  cudaGraph_t graph = nullptr;
-  GPUTEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  try {
-    enqueue_step(pr, opt, b, stream);
-  } catch (const flashmsa::Error& e) {
-    cudaStreamEndCapture(stream, &graph);
-    if (graph != nullptr) cudaGraphDestroy(graph);
-    cudaStreamDestroy(stream);
-    FAIL() << "the step threw under capture: " << e.what();
-  }
-  GPUTEST_CUDA(cudaStreamEndCapture(stream, &graph));
-  cudaGraphExec_t exec = nullptr;
-  GPUTEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  run_eager(pr, opt, b, g.stream, eager);
+  capture_step(pr, opt, b, g.stream, g.graph, g.exec);
+  if (::testing::Test::HasFatalFailure()) return;
   for (int replay = 0; replay < 2; ++replay) {
     poison(b);  // what a replay does not write stays NaN / 0xAB
-    GPUTEST_CUDA(cudaGraphLaunch(exec, stream));
-    GPUTEST_CUDA(cudaStreamSynchronize(stream));
+    GPUTEST_CUDA(cudaGraphLaunch(g.exec, g.stream));
+    GPUTEST_CUDA(cudaStreamSynchronize(g.stream));
     const StepResult r = take(b);
-    EXPECT_EQ(r.sel, eager.sel) << "replay " << replay << ": selection differs";
     if (deterministic) {
-      EXPECT_EQ(r.o, eager.o) << "replay " << replay;
-      EXPECT_EQ(r.lse, eager.lse) << "replay " << replay;
-      EXPECT_EQ(r.dq, eager.dq) << "replay " << replay;
-      EXPECT_EQ(r.dk, eager.dk) << "replay " << replay;
-      EXPECT_EQ(r.dv, eager.dv) << "replay " << replay;
-      EXPECT_EQ(r.dqp, eager.dqp) << "replay " << replay;
-      EXPECT_EQ(r.dkp, eager.dkp) << "replay " << replay;
-      EXPECT_EQ(std::memcmp(&r.kl_fwd, &eager.kl_fwd, 4), 0) << "replay " << replay;
-      EXPECT_EQ(std::memcmp(&r.kl_bwd, &eager.kl_bwd, 4), 0) << "replay " << replay;
-    } else {
-      const std::vector<uint16_t>* a[6] = {&r.o, &r.dq, &r.dk, &r.dv, &r.dqp, &r.dkp};
-      const std::vector<uint16_t>* e[6] = {&eager.o, &eager.dq, &eager.dk, &eager.dv, &eager.dqp, &eager.dkp};
-      const char* names[6] = {"o", "dq", "dk", "dv", "dqp", "dkp"};
-      for (int i = 0; i < 6; ++i) {
-        EXPECT_EQ(gputest::count_nonfinite(gputest::bf16_to_doubles(*a[i])), 0)
-            << "replay " << replay << ": " << names[i] << " unwritten";
-        EXPECT_LT(rel_l2_bf16(*a[i], *e[i]), 1e-3) << "replay " << replay << ": " << names[i] << " vs eager";
-      }
-      EXPECT_LT(gputest::max_abs_diff(std::vector<double>(r.lse.begin(), r.lse.end()),
-                                      std::vector<double>(eager.lse.begin(), eager.lse.end())),
-                1e-4)
-          << "replay " << replay << ": lse vs eager";
-      EXPECT_NEAR(r.kl_fwd, eager.kl_fwd, 1e-4 * std::fabs(eager.kl_fwd)) << "replay " << replay;
-      EXPECT_NEAR(r.kl_bwd, eager.kl_bwd, 1e-4 * std::fabs(eager.kl_bwd)) << "replay " << replay;
+      expect_same_bits(r, eager, "replay " + std::to_string(replay));
+      continue;
     }
+    EXPECT_EQ(r.sel, eager.sel) << "replay " << replay << ": selection differs";
+    const std::vector<uint16_t>* a[6] = {&r.o, &r.dq, &r.dk, &r.dv, &r.dqp, &r.dkp};
+    const std::vector<uint16_t>* e[6] = {&eager.o, &eager.dq, &eager.dk, &eager.dv, &eager.dqp, &eager.dkp};
+    const char* names[6] = {"o", "dq", "dk", "dv", "dqp", "dkp"};
+    for (int i = 0; i < 6; ++i) {
+      EXPECT_EQ(gputest::count_nonfinite(gputest::bf16_to_doubles(*a[i])), 0)
+          << "replay " << replay << ": " << names[i] << " unwritten";
+      EXPECT_LT(rel_l2_bf16(*a[i], *e[i]), 1e-3) << "replay " << replay << ": " << names[i] << " vs eager";
+    }
+    EXPECT_LT(gputest::max_abs_diff(std::vector<double>(r.lse.begin(), r.lse.end()),
+                                    std::vector<double>(eager.lse.begin(), eager.lse.end())),
+              1e-4)
+        << "replay " << replay << ": lse vs eager";
+    EXPECT_NEAR(r.kl_fwd, eager.kl_fwd, 1e-4 * std::fabs(eager.kl_fwd)) << "replay " << replay;
+    EXPECT_NEAR(r.kl_bwd, eager.kl_bwd, 1e-4 * std::fabs(eager.kl_bwd)) << "replay " << replay;
   }
   EXPECT_GT(eager.kl_fwd, 0.f) << "a KL of zero would make the kl checks vacuous";
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 // The step captured BEFORE any eager call (alone in its process under ctest: then its capture makes
@@ -184,42 +201,18 @@ TEST(CudaGraph, FirstCallInsideCapture) {
   StepBuffers b = make_step_buffers(pr, 213);
   flashmsa::Options opt = pr.options();
   opt.deterministic = true;
-  cudaStream_t stream = nullptr;
-  GPUTEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  Handles g;
+  GPUTEST_CUDA(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking));
   poison(b);
-  cudaGraph_t graph = nullptr;
-  GPUTEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  try {
-    enqueue_step(pr, opt, b, stream);
-  } catch (const flashmsa::Error& e) {
-    cudaStreamEndCapture(stream, &graph);
-    if (graph != nullptr) cudaGraphDestroy(graph);
-    cudaStreamDestroy(stream);
-    FAIL() << "the first call threw under capture: " << e.what();
-  }
-  GPUTEST_CUDA(cudaStreamEndCapture(stream, &graph));
-  cudaGraphExec_t exec = nullptr;
-  GPUTEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  GPUTEST_CUDA(cudaGraphLaunch(exec, stream));
-  GPUTEST_CUDA(cudaStreamSynchronize(stream));
+  capture_step(pr, opt, b, g.stream, g.graph, g.exec);
+  if (::testing::Test::HasFatalFailure()) return;
+  GPUTEST_CUDA(cudaGraphLaunch(g.exec, g.stream));
+  GPUTEST_CUDA(cudaStreamSynchronize(g.stream));
   const StepResult replay = take(b);
-  poison(b);
-  enqueue_step(pr, opt, b, stream);
-  GPUTEST_CUDA(cudaStreamSynchronize(stream));
-  const StepResult eager = take(b);
-  EXPECT_EQ(replay.sel, eager.sel);
-  EXPECT_EQ(replay.o, eager.o);
-  EXPECT_EQ(replay.lse, eager.lse);
-  EXPECT_EQ(replay.dq, eager.dq);
-  EXPECT_EQ(replay.dk, eager.dk);
-  EXPECT_EQ(replay.dv, eager.dv);
-  EXPECT_EQ(replay.dqp, eager.dqp);
-  EXPECT_EQ(replay.dkp, eager.dkp);
-  EXPECT_EQ(std::memcmp(&replay.kl_bwd, &eager.kl_bwd, 4), 0);
+  StepResult eager;
+  run_eager(pr, opt, b, g.stream, eager);
+  expect_same_bits(replay, eager, "replay of the first call vs eager");
   EXPECT_GT(eager.kl_fwd, 0.f);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 // m = 16 on Hkv = Hp (the m3 group: wgmma KV-major forward, KL value KV-major, wgmma backward)
@@ -276,10 +269,10 @@ TEST(CudaWorkspace, CallerAllocatorServesTheWholeStep) {
   StepBuffers b = make_step_buffers(pr, 211);
   flashmsa::Options opt = pr.options();
   opt.deterministic = true;
-  cudaStream_t stream = nullptr;
-  GPUTEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  Handles g;  // its stream only
+  GPUTEST_CUDA(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking));
   StepResult own_pool, hooked;
-  run_eager(pr, opt, b, stream, own_pool);
+  run_eager(pr, opt, b, g.stream, own_pool);
 
   CountingAllocator counter;
   flashmsa::WorkspaceAllocator hook;
@@ -288,26 +281,17 @@ TEST(CudaWorkspace, CallerAllocatorServesTheWholeStep) {
   hook.context = &counter;
   flashmsa::set_workspace_allocator(hook);
   try {
-    run_eager(pr, opt, b, stream, hooked);
+    run_eager(pr, opt, b, g.stream, hooked);
   } catch (const flashmsa::Error& e) {
     ADD_FAILURE() << "the step threw with a caller's allocator: " << e.what();
   }
-  cudaStreamSynchronize(stream);
-  // Uninstalled on every path: later tests must not reach `counter` after this scope.
+  cudaStreamSynchronize(g.stream);
   flashmsa::set_workspace_allocator(flashmsa::WorkspaceAllocator());
   EXPECT_GT(counter.allocs, 2) << "the step's index and accumulators did not come from the allocator";
   EXPECT_GT(counter.bytes_total, static_cast<size_t>(pr.T * s.H * s.D) * 2) << "the backward's accumulators are larger than q";
   EXPECT_EQ(counter.frees, counter.allocs);
   EXPECT_EQ(counter.live, 0u);
-  EXPECT_EQ(hooked.o, own_pool.o);
-  EXPECT_EQ(hooked.lse, own_pool.lse);
-  EXPECT_EQ(hooked.dq, own_pool.dq);
-  EXPECT_EQ(hooked.dk, own_pool.dk);
-  EXPECT_EQ(hooked.dv, own_pool.dv);
-  EXPECT_EQ(hooked.dqp, own_pool.dqp);
-  EXPECT_EQ(hooked.dkp, own_pool.dkp);
-  EXPECT_EQ(std::memcmp(&hooked.kl_bwd, &own_pool.kl_bwd, 4), 0);
-  cudaStreamDestroy(stream);
+  expect_same_bits(hooked, own_pool, "caller's allocator vs flashmsa's pool");
 }
 
 // flashmsa's pool gives every buffer back at the end of a call but keeps the memory mapped across
@@ -318,16 +302,15 @@ TEST(CudaWorkspace, OwnPoolKeepsItsMemory) {
   Problem pr;
   gputest::make_problem(pr, s, 212);
   StepBuffers b = make_step_buffers(pr, 212);
+  Handles g;  // its stream only
+  GPUTEST_CUDA(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking));
+  StepResult r;
+  run_eager(pr, pr.options(), b, g.stream, r);
+  GPUTEST_CUDA(cudaDeviceSynchronize());  // a synchronisation trims pools above their threshold
   int device = 0;
   GPUTEST_CUDA(cudaGetDevice(&device));
   auto pool = static_cast<cudaMemPool_t>(flashmsa::workspace_memory_pool(device));
   uint64_t used = 1, reserved = 0, high = 0;
-  GPUTEST_CUDA(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high));  // this step's peak only
-  cudaStream_t stream = nullptr;
-  GPUTEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  StepResult r;
-  run_eager(pr, pr.options(), b, stream, r);
-  GPUTEST_CUDA(cudaDeviceSynchronize());  // a synchronisation trims pools above their threshold
   GPUTEST_CUDA(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used));
   GPUTEST_CUDA(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved));
   GPUTEST_CUDA(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high));
@@ -335,7 +318,6 @@ TEST(CudaWorkspace, OwnPoolKeepsItsMemory) {
   EXPECT_GT(high, static_cast<uint64_t>(pr.T * s.H * s.D) * 2) << "the backward's workspace did not come from the pool";
   EXPECT_GE(reserved, high) << "the pool handed memory back at the synchronisation";
   GPUTEST_CUDA(cudaMemPoolTrimTo(pool, 0));
-  cudaStreamDestroy(stream);
 
   auto expect_error_naming = [](auto call, const char* argument) {
     try {
