@@ -864,8 +864,9 @@ int sm_count(int device) {
 
 // Helper stream i of `device` for the calling host thread: created on first use (non-blocking, so
 // the legacy default stream does not serialise against it; in relaxed capture mode, so that a first
-// use inside a capture is legal), cached per thread and never destroyed (a few streams per thread
-// that calls flashmsa). Per thread because a capture that forks onto them keeps them until it ends:
+// use inside a capture is legal), cached per thread and never destroyed: up to kMaxStreams per
+// device for each host thread that calls flashmsa (a program that keeps starting new threads keeps
+// adding them; destroying them at thread exit could cut a capture another thread still holds). Per thread because a capture that forks onto them keeps them until it ends:
 // another thread's work on them would be captured too.
 cudaStream_t helper_stream(int device, int i) {
   thread_local std::vector<std::vector<cudaStream_t>> cache;
