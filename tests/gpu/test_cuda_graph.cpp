@@ -305,15 +305,16 @@ TEST(CudaWorkspace, OwnPoolKeepsItsMemory) {
   Problem pr;
   gputest::make_problem(pr, s, 212);
   StepBuffers b = make_step_buffers(pr, 212);
+  int device = 0;
+  GPUTEST_CUDA(cudaGetDevice(&device));
+  auto pool = static_cast<cudaMemPool_t>(flashmsa::workspace_memory_pool(device));
+  uint64_t used = 1, reserved = 0, high = 0;
+  GPUTEST_CUDA(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high));  // this step's peak only
   Handles g;  // its stream only
   GPUTEST_CUDA(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking));
   StepResult r;
   run_eager(pr, pr.options(), b, g.stream, r);
   GPUTEST_CUDA(cudaDeviceSynchronize());  // a synchronisation trims pools above their threshold
-  int device = 0;
-  GPUTEST_CUDA(cudaGetDevice(&device));
-  auto pool = static_cast<cudaMemPool_t>(flashmsa::workspace_memory_pool(device));
-  uint64_t used = 1, reserved = 0, high = 0;
   GPUTEST_CUDA(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used));
   GPUTEST_CUDA(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved));
   GPUTEST_CUDA(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high));
