@@ -402,7 +402,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     constexpr int kR = RM > 0 ? RM : 1;
     auto token_of_step = [&](int hi_, int i0_) {
       const int li = hi_ < m ? i0_ + hi_ * (kTileTok / kR) + row / kR : i0_ + row;
-      return li < bc.end ? __ldg(ix.vals + li) / ix.K : -1;
+      return li < bc.end ? __ldg(ix.vals + (bc.begin + bc.end - 1 - li)) / ix.K : -1;
     };
     int t_next = RM > 0 ? token_of_step(0, i0) : -1;
     for (int s = 0; s < steps; ++s) {
@@ -411,7 +411,8 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       if constexpr (RM > 0) {
         t = t_next;
       } else {
-        if (hi == 0) t = row < min(kTileTok, bc.end - i0) ? __ldg(ix.vals + i0 + row) / ix.K : -1;
+        if (hi == 0)
+          t = row < min(kTileTok, bc.end - i0) ? __ldg(ix.vals + (bc.begin + bc.end - 1 - (i0 + row))) / ix.K : -1;
       }
       const bool ok = t >= 0;
       const int64_t tt = ok ? t : 0;
