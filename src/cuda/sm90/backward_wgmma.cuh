@@ -400,6 +400,9 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     // group's proxy step its 64 tokens, one per row. Each step has other tokens, so the next
     // step's index is loaded while this thread waits for the stage (t_next).
     constexpr int kR = RM > 0 ? RM : 1;
+    // The list is walked from its end (descending t). In the dense warm-up every list ends at the
+    // sequence end, so the CTAs of a wave start on the same token tiles and move down together:
+    // their Q / dO gathers and dQ rows are shared in L2 (ncu, m3/16k: DRAM 70 -> 44 GB, -1.2 ms).
     auto token_of_step = [&](int hi_, int i0_) {
       const int li = hi_ < m ? i0_ + hi_ * (kTileTok / kR) + row / kR : i0_ + row;
       return li < bc.end ? __ldg(ix.vals + (bc.begin + bc.end - 1 - li)) / ix.K : -1;
