@@ -101,29 +101,55 @@ StepBuffers make_step_buffers(const Problem& pr, uint64_t seed) {
   return b;
 }
 
-// Poisons b, runs one eager step on `stream`, takes its results into `out`.
-void run_eager(const Problem& pr, const flashmsa::Options& opt, StepBuffers& b, cudaStream_t stream,
-               StepResult& out) {
-  poison(b);
-  enqueue_step(pr, opt, b, stream);
-  GPUTEST_CUDA(cudaStreamSynchronize(stream));
-  out = take(b);
+// Stream and graph handles of one test, released however it ends.
+struct Handles {
+  cudaStream_t stream = nullptr;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  ~Handles() {
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+    if (stream) cudaStreamDestroy(stream);
+  }
+};
+
+// One test's problem of shape s, its step buffers, options and stream (in g).
+struct StepCase {
+  Problem pr;
+  StepBuffers b;
+  flashmsa::Options opt;
+  Handles g;
+};
+
+void make_step_case(StepCase& c, const Shape& s, uint64_t seed, bool deterministic) {
+  gputest::make_problem(c.pr, s, seed);
+  c.b = make_step_buffers(c.pr, seed);
+  c.opt = c.pr.options();
+  c.opt.deterministic = deterministic;
+  GPUTEST_CUDA(cudaStreamCreateWithFlags(&c.g.stream, cudaStreamNonBlocking));
 }
 
-// Captures `steps` steps on `stream` (global mode: any uncapturable call fails it) into graph /
-// exec; exec stays null on failure. Two steps put a second forward into a capture whose helper
-// streams it already holds.
-void capture_step(const Problem& pr, const flashmsa::Options& opt, StepBuffers& b, cudaStream_t stream,
-                  cudaGraph_t& graph, cudaGraphExec_t& exec, int steps = 1) {
-  GPUTEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+// Poisons c's buffers, runs one eager step on its stream, takes its results into `out`.
+void run_eager(StepCase& c, StepResult& out) {
+  poison(c.b);
+  enqueue_step(c.pr, c.opt, c.b, c.g.stream);
+  GPUTEST_CUDA(cudaStreamSynchronize(c.g.stream));
+  out = take(c.b);
+}
+
+// Captures `steps` steps on c's stream (global mode: any uncapturable call fails it) into c.g's
+// graph / exec; exec stays null on failure. Two steps put a second forward into a capture whose
+// helper streams it already holds.
+void capture_step(StepCase& c, int steps = 1) {
+  GPUTEST_CUDA(cudaStreamBeginCapture(c.g.stream, cudaStreamCaptureModeGlobal));
   try {
-    for (int i = 0; i < steps; ++i) enqueue_step(pr, opt, b, stream);
+    for (int i = 0; i < steps; ++i) enqueue_step(c.pr, c.opt, c.b, c.g.stream);
   } catch (const flashmsa::Error& e) {
-    cudaStreamEndCapture(stream, &graph);
+    cudaStreamEndCapture(c.g.stream, &c.g.graph);
     FAIL() << "the step threw under capture: " << e.what();
   }
-  GPUTEST_CUDA(cudaStreamEndCapture(stream, &graph));
-  GPUTEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  GPUTEST_CUDA(cudaStreamEndCapture(c.g.stream, &c.g.graph));
+  GPUTEST_CUDA(cudaGraphInstantiate(&c.g.exec, c.g.graph, 0));
 }
 
 // Every output of r has the bits of e.
@@ -140,36 +166,18 @@ void expect_same_bits(const StepResult& r, const StepResult& e, const std::strin
   EXPECT_EQ(std::memcmp(&r.kl_bwd, &e.kl_bwd, 4), 0) << what << ": kl (backward)";
 }
 
-// Stream and graph handles of one test, released however it ends.
-struct Handles {
-  cudaStream_t stream = nullptr;
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  ~Handles() {
-    if (exec) cudaGraphExecDestroy(exec);
-    if (graph) cudaGraphDestroy(graph);
-    if (stream) cudaStreamDestroy(stream);
-  }
-};
-
 void check_captured_step(const Shape& s, uint64_t seed, bool deterministic) {
-  Problem pr;
-  gputest::make_problem(pr, s, seed);
-  StepBuffers b = make_step_buffers(pr, seed);
-  flashmsa::Options opt = pr.options();
-  opt.deterministic = deterministic;
-
-  Handles g;
-  GPUTEST_CUDA(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking));
+  StepCase c;
+  ASSERT_NO_FATAL_FAILURE(make_step_case(c, s, seed, deterministic));
   StepResult eager;
-  run_eager(pr, opt, b, g.stream, eager);
-  capture_step(pr, opt, b, g.stream, g.graph, g.exec);
-  if (g.exec == nullptr) return;  // capture_step reported why
+  run_eager(c, eager);
+  capture_step(c);
+  if (c.g.exec == nullptr) return;  // capture_step reported why
   for (int replay = 0; replay < 2; ++replay) {
-    poison(b);  // what a replay does not write stays NaN / 0xAB
-    GPUTEST_CUDA(cudaGraphLaunch(g.exec, g.stream));
-    GPUTEST_CUDA(cudaStreamSynchronize(g.stream));
-    const StepResult r = take(b);
+    poison(c.b);  // what a replay does not write stays NaN / 0xAB
+    GPUTEST_CUDA(cudaGraphLaunch(c.g.exec, c.g.stream));
+    GPUTEST_CUDA(cudaStreamSynchronize(c.g.stream));
+    const StepResult r = take(c.b);
     if (deterministic) {
       expect_same_bits(r, eager, "replay " + std::to_string(replay));
       continue;
@@ -198,22 +206,16 @@ void check_captured_step(const Shape& s, uint64_t seed, bool deterministic) {
 // already holds), replayed, and compared with an eager run made after.
 TEST(CudaGraph, FirstCallInsideCapture) {
   GPUTEST_REQUIRE_DEVICE();
-  const Shape s = shape(32, 2, 2, 1, 128, 16, {1500, 0, 700});
-  Problem pr;
-  gputest::make_problem(pr, s, 213);
-  StepBuffers b = make_step_buffers(pr, 213);
-  flashmsa::Options opt = pr.options();
-  opt.deterministic = true;
-  Handles g;
-  GPUTEST_CUDA(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking));
-  poison(b);
-  capture_step(pr, opt, b, g.stream, g.graph, g.exec, 2);
-  if (g.exec == nullptr) return;
-  GPUTEST_CUDA(cudaGraphLaunch(g.exec, g.stream));
-  GPUTEST_CUDA(cudaStreamSynchronize(g.stream));
-  const StepResult replay = take(b);
+  StepCase c;
+  ASSERT_NO_FATAL_FAILURE(make_step_case(c, shape(32, 2, 2, 1, 128, 16, {1500, 0, 700}), 213, true));
+  poison(c.b);
+  capture_step(c, 2);
+  if (c.g.exec == nullptr) return;
+  GPUTEST_CUDA(cudaGraphLaunch(c.g.exec, c.g.stream));
+  GPUTEST_CUDA(cudaStreamSynchronize(c.g.stream));
+  const StepResult replay = take(c.b);
   StepResult eager;
-  run_eager(pr, opt, b, g.stream, eager);
+  run_eager(c, eager);
   expect_same_bits(replay, eager, "replay of the first call vs eager");
   EXPECT_GT(eager.kl_fwd, 0.f);
 }
@@ -267,15 +269,10 @@ struct CountingAllocator {
 TEST(CudaWorkspace, CallerAllocatorServesTheWholeStep) {
   GPUTEST_REQUIRE_DEVICE();
   const Shape s = shape(32, 2, 2, 1, 128, 16, {1500, 0, 700});
-  Problem pr;
-  gputest::make_problem(pr, s, 211);
-  StepBuffers b = make_step_buffers(pr, 211);
-  flashmsa::Options opt = pr.options();
-  opt.deterministic = true;
-  Handles g;  // its stream only
-  GPUTEST_CUDA(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking));
+  StepCase c;
+  ASSERT_NO_FATAL_FAILURE(make_step_case(c, s, 211, true));
   StepResult own_pool, hooked;
-  run_eager(pr, opt, b, g.stream, own_pool);
+  run_eager(c, own_pool);
 
   CountingAllocator counter;
   flashmsa::WorkspaceAllocator hook;
@@ -284,14 +281,15 @@ TEST(CudaWorkspace, CallerAllocatorServesTheWholeStep) {
   hook.context = &counter;
   flashmsa::set_workspace_allocator(hook);
   try {
-    run_eager(pr, opt, b, g.stream, hooked);
+    run_eager(c, hooked);
   } catch (const flashmsa::Error& e) {
     ADD_FAILURE() << "the step threw with a caller's allocator: " << e.what();
   }
-  cudaStreamSynchronize(g.stream);
+  cudaStreamSynchronize(c.g.stream);
   flashmsa::set_workspace_allocator(flashmsa::WorkspaceAllocator());
   EXPECT_GT(counter.allocs, 2) << "the step's index and accumulators did not come from the allocator";
-  EXPECT_GT(counter.bytes_total, static_cast<size_t>(pr.T * s.H * s.D) * 2) << "the backward's accumulators are larger than q";
+  EXPECT_GT(counter.bytes_total, static_cast<size_t>(c.pr.T * s.H * s.D) * 2)
+      << "the backward's accumulators are larger than q";
   EXPECT_EQ(counter.frees, counter.allocs);
   EXPECT_EQ(counter.live, 0u);
   expect_same_bits(hooked, own_pool, "caller's allocator vs flashmsa's pool");
@@ -302,24 +300,22 @@ TEST(CudaWorkspace, CallerAllocatorServesTheWholeStep) {
 TEST(CudaWorkspace, OwnPoolKeepsItsMemory) {
   GPUTEST_REQUIRE_DEVICE();
   const Shape s = shape(32, 2, 2, 1, 128, 16, {1500, 700});
-  Problem pr;
-  gputest::make_problem(pr, s, 212);
-  StepBuffers b = make_step_buffers(pr, 212);
+  StepCase c;
+  ASSERT_NO_FATAL_FAILURE(make_step_case(c, s, 212, false));
   int device = 0;
   GPUTEST_CUDA(cudaGetDevice(&device));
   auto pool = static_cast<cudaMemPool_t>(flashmsa::workspace_memory_pool(device));
   uint64_t used = 1, reserved = 0, high = 0;
   GPUTEST_CUDA(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high));  // this step's peak only
-  Handles g;  // its stream only
-  GPUTEST_CUDA(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking));
   StepResult r;
-  run_eager(pr, pr.options(), b, g.stream, r);
+  run_eager(c, r);
   GPUTEST_CUDA(cudaDeviceSynchronize());  // a synchronisation trims pools above their threshold
   GPUTEST_CUDA(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used));
   GPUTEST_CUDA(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved));
   GPUTEST_CUDA(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high));
   EXPECT_EQ(used, 0u) << "a workspace buffer was not given back";
-  EXPECT_GT(high, static_cast<uint64_t>(pr.T * s.H * s.D) * 2) << "the backward's workspace did not come from the pool";
+  EXPECT_GT(high, static_cast<uint64_t>(c.pr.T * s.H * s.D) * 2)
+      << "the backward's workspace did not come from the pool";
   EXPECT_GE(reserved, high) << "the pool handed memory back at the synchronisation";
   GPUTEST_CUDA(cudaMemPoolTrimTo(pool, 0));
 

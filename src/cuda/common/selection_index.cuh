@@ -57,10 +57,11 @@ class Workspace {
     stream_ = s;
     if (size_ > 0) base_ = workspace_allocate(size_, s);
   }
-  void release(cudaStream_t s) {
+  // On the stream it was allocated on.
+  void release() {
     void* base = base_;
     base_ = nullptr;  // before the check: a failed free must not be repeated by the destructor
-    if (base) FLASHMSA_CUDA_CHECK(workspace_free(base, s));
+    if (base) FLASHMSA_CUDA_CHECK(workspace_free(base, stream_));
   }
   template <typename U>
   U* at(size_t offset) const {

@@ -667,7 +667,7 @@ void launch_kv_forward(const MsaParams& p, cudaStream_t stream) {
                                             p.kl);
     FLASHMSA_CHECK_LAUNCH();
   }
-  ws.release(stream);
+  ws.release();
 }
 
 }  // namespace flashmsa::cuda

@@ -866,8 +866,9 @@ int sm_count(int device) {
 // the legacy default stream does not serialise against it; in relaxed capture mode, so that a first
 // use inside a capture is legal), cached per thread and never destroyed: up to kMaxStreams per
 // device for each host thread that calls flashmsa (a program that keeps starting new threads keeps
-// adding them; destroying them at thread exit could cut a capture another thread still holds). Per thread because a capture that forks onto them keeps them until it ends:
-// another thread's work on them would be captured too.
+// adding them; destroying them at thread exit could cut a capture another thread still holds).
+// Per thread because a capture that forks onto them keeps them until it ends: another thread's
+// work on them would be captured too.
 cudaStream_t helper_stream(int device, int i) {
   thread_local std::vector<std::vector<cudaStream_t>> cache;
   if (static_cast<int>(cache.size()) <= device) cache.resize(static_cast<size_t>(device) + 1);
@@ -1093,7 +1094,7 @@ void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
     for (const Lane& L : lane) finprep(L, L.c_prev, L.g_prev, -1, 0);
     fork.join();
   }
-  ws.release(stream);
+  ws.release();
 }
 
 // FLASHMSA_DET_FWD=query keeps deterministic mode's forward on the query-major kernel (A/B

@@ -18,9 +18,10 @@ bool kv_wgmma_forward_applies(const MsaParams& p);
 
 // Writes o [T, H, Dv] and lse [H, T] of every token and overflow[t] (int32, [T]): 1 where a row
 // of token t overflowed the fixed reference or summed to (almost) nothing (its o and lse must then
-// be recomputed by the caller), else 0; every element is written. Workspace is allocated and freed on `stream` (workspace_memory.h); no
-// host synchronisation. kv_wgmma_forward_applies(p) must hold (the caller's routing checks it:
-// planning the workspace twice more per call would only repeat that check).
+// be recomputed by the caller), else 0; every element is written. Workspace is allocated and
+// freed on `stream` (workspace_memory.h); no host synchronisation. kv_wgmma_forward_applies(p)
+// must hold (the caller's routing checks it: planning the workspace twice more per call would only
+// repeat that check).
 void launch_kv_wgmma_forward(const MsaParams& p, int32_t* overflow, cudaStream_t stream);
 
 }  // namespace flashmsa::cuda

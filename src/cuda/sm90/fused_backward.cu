@@ -439,7 +439,7 @@ void launch_kl_value(const MsaParams& p, cudaStream_t stream) {
       p.Hkv, p.Hp, p.scale, nullptr, nullptr, nullptr, fa, nullptr, nullptr, nullptr);
   FLASHMSA_CHECK_LAUNCH();
   launch_kl_final(p, stream, ws.at<float>(kp.o_kl_part), kp.sel.nkeys);
-  ws.release(stream);
+  ws.release();
 }
 
 void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
@@ -603,7 +603,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   }
   if (dkp_in_acc) convert(dkp_acc, n_dkp, 4, p.dkp);
   if (p.kl) launch_kl_final(p, stream, ws.at<float>(o_kl_part), nkeys);
-  ws.release(stream);
+  ws.release();
 }
 
 }  // namespace flashmsa::cuda
