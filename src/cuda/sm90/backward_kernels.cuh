@@ -283,6 +283,9 @@ struct FoldArgs {
   float scale_p = 1.f;
   float c_base = 0.f;    // kl_coeff / (Hp*T); times g gives the dS factor
   const float* row_fx = nullptr;  // [T, H] the token-row DET form's per-row int32 dq factors, or null
+  // > 0 (dense warm-up): CTAs per wave (one per SM); the wgmma kernel's odd waves walk their lists
+  // ascending, the even ones descending (see attn_bwd_wgmma_kernel).
+  int wave_ctas = 0;
 };
 
 // DQ = false: no dq here (the deterministic mode's query-major dq, backward_dq.cu). A template

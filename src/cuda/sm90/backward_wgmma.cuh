@@ -403,9 +403,18 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     // The list is walked from its end (descending t). In the dense warm-up every list ends at the
     // sequence end, so the CTAs of a wave start on the same token tiles and move down together:
     // their Q / dO gathers and dQ rows are shared in L2 (ncu, m3/16k: DRAM 70 -> 44 GB, -1.2 ms).
+    // The next wave's CTAs start one by one as that front passes their predecessors' list starts
+    // (128 g): walked ASCENDING from their own start 128 g', they all sit on one rising front
+    // (a CTA started when the front was at 128 (w - k) begins at 128 (w + 1 + k): position = time
+    // + a constant, the same for all), and they end together at the sequence end, so the wave
+    // after starts at once and descends again. fa.wave_ctas = 0 (sparse lists): descending.
+    const bool ascending = fa.wave_ctas > 0 && (blockIdx.x / fa.wave_ctas) % 2 == 1;
+    auto list_token = [&](int li) {
+      return __ldg(ix.vals + (ascending ? li : bc.begin + bc.end - 1 - li)) / ix.K;
+    };
     auto token_of_step = [&](int hi_, int i0_) {
       const int li = hi_ < m ? i0_ + hi_ * (kTileTok / kR) + row / kR : i0_ + row;
-      return li < bc.end ? __ldg(ix.vals + (bc.begin + bc.end - 1 - li)) / ix.K : -1;
+      return li < bc.end ? list_token(li) : -1;
     };
     int t_next = RM > 0 ? token_of_step(0, i0) : -1;
     for (int s = 0; s < steps; ++s) {
@@ -415,7 +424,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
         t = t_next;
       } else {
         if (hi == 0)
-          t = row < min(kTileTok, bc.end - i0) ? __ldg(ix.vals + (bc.begin + bc.end - 1 - (i0 + row))) / ix.K : -1;
+          t = row < min(kTileTok, bc.end - i0) ? list_token(i0 + row) : -1;
       }
       const bool ok = t >= 0;
       const int64_t tt = ok ? t : 0;

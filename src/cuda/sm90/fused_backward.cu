@@ -194,6 +194,27 @@ void set_smem(Kernel kernel, int bytes) {
   FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
+// CTAs of `kernel` resident at once on the current device (1 per SM for the wgmma backward): the
+// dense warm-up's wave size (FoldArgs::wave_ctas). After set_smem, which the occupancy query needs.
+template <typename Kernel>
+int resident_ctas(Kernel kernel, int threads, int smem) {
+  int device = 0, sms = 0, per_sm = 0;
+  FLASHMSA_CUDA_CHECK(cudaGetDevice(&device));
+  FLASHMSA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  FLASHMSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  return std::max(1, sms * per_sm);
+}
+
+// Whether the wgmma backward alternates its list walk per wave (FoldArgs::wave_ctas): the dense
+// warm-up always (its lists all end at the sequence end); FLASHMSA_BWD_WAVES=1 also for sparse
+// lists (A/B timing), =0 never; read per call.
+bool alternate_waves(const MsaParams& p) {
+  const char* v = std::getenv("FLASHMSA_BWD_WAVES");
+  if (v != nullptr && std::strcmp(v, "1") == 0) return true;
+  if (v != nullptr && std::strcmp(v, "0") == 0) return false;
+  return p.all_blocks;
+}
+
 // FLASHMSA_BACKWARD_PATH=mma keeps the mma.sync attn_bwd_kernel for the shapes that otherwise
 // take the wgmma kernel (A/B timing, and a fallback); =wgmma makes it an error when the wgmma
 // kernel does not take the problem (tests); read per call. Any other value, or none: the default
@@ -337,9 +358,11 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
         auto launch_wgmma = [&](auto kernel) {
           constexpr int smem = bwd::WgBwd::kSmem;
           set_smem(kernel, smem);
+          bwd::FoldArgs fw = fa;
+          if (alternate_waves(p)) fw.wave_ctas = resident_ctas(kernel, bwd::WgBwd::kThreads, smem);
           kernel<<<static_cast<unsigned>(ix.NB) * p.Hp, bwd::WgBwd::kThreads, smem, stream>>>(
               q, k, v, static_cast<const bf16*>(p.d_o), p.lse, di, ix, p.H, p.Hkv, p.Hp, p.scale,
-              static_cast<float*>(dq_acc), static_cast<bf16*>(p.dk), static_cast<bf16*>(p.dv), fa, fx, dk_acc,
+              static_cast<float*>(dq_acc), static_cast<bf16*>(p.dk), static_cast<bf16*>(p.dv), fw, fx, dk_acc,
               dv_acc);
           FLASHMSA_CHECK_LAUNCH();
         };
@@ -434,6 +457,7 @@ void launch_kl_value(const MsaParams& p, cudaStream_t stream) {
   fa.scale_p = p.proxy_scale;
   constexpr int smem = bwd::WgKl::kSmem;
   set_smem(bwd::attn_bwd_wgmma_kernel<true>, smem);
+  if (alternate_waves(p)) fa.wave_ctas = resident_ctas(bwd::attn_bwd_wgmma_kernel<true>, bwd::WgKl::kThreads, smem);
   bwd::attn_bwd_wgmma_kernel<true><<<static_cast<unsigned>(ix.NB) * p.Hp, bwd::WgKl::kThreads, smem, stream>>>(
       static_cast<const bf16*>(p.q), static_cast<const bf16*>(p.k), nullptr, nullptr, p.lse, nullptr, ix, p.H,
       p.Hkv, p.Hp, p.scale, nullptr, nullptr, nullptr, fa, nullptr, nullptr, nullptr);
