@@ -408,10 +408,10 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     // (a CTA started when the front was at 128 (w - k) begins at 128 (w + 1 + k): position = time
     // + a constant, the same for all), and they end together at the sequence end, so the wave
     // after starts at once and descends again. fa.wave_ctas = 0 (sparse lists): descending.
-    const bool ascending = fa.wave_ctas > 0 && (blockIdx.x / fa.wave_ctas) % 2 == 1;
-    auto list_token = [&](int li) {
-      return __ldg(ix.vals + (ascending ? li : bc.begin + bc.end - 1 - li)) / ix.K;
-    };
+    // One register for either direction (the producer runs on 24): entry |flip - li| is li
+    // ascending (flip 0) and bc.begin + bc.end - 1 - li descending.
+    const int flip = fa.wave_ctas > 0 && (blockIdx.x / fa.wave_ctas) % 2 == 1 ? 0 : bc.begin + bc.end - 1;
+    auto list_token = [&](int li) { return __ldg(ix.vals + abs(flip - li)) / ix.K; };
     auto token_of_step = [&](int hi_, int i0_) {
       const int li = hi_ < m ? i0_ + hi_ * (kTileTok / kR) + row / kR : i0_ + row;
       return li < bc.end ? list_token(li) : -1;
