@@ -685,6 +685,9 @@ void check_nonfinite_input(const Shape& s, uint64_t seed, bool in_v) {
   DeviceSide d;
   upload(d, st);
   const Grads fast = run_gpu(d, st, false);
+  // The premise: the NaN reaches the fast gradients (dq in both cases; 128 and 1,171,456 values at
+  // 8c91b9a), else the comparison below would check nothing.
+  ASSERT_GT(gputest::count_nonfinite(fast.dq), 0) << "the NaN input did not reach the fast dq";
   for (const char* dq_env : {static_cast<const char*>(nullptr), "query"}) {
     gputest::ScopedEnv env("FLASHMSA_DET_DQ", dq_env);
     const Grads det = run_gpu(d, st, true);
