@@ -46,3 +46,14 @@ class StreamAllocation {
 
 // After every <<<...>>> launch.
 #define FLASHMSA_CHECK_LAUNCH() FLASHMSA_CUDA_CHECK(cudaGetLastError())
+
+namespace flashmsa::cuda {
+
+// Streaming multiprocessors of `device` (at least 1): persistent grids and wave sizes.
+inline int sm_count(int device) {
+  int n = 0;
+  FLASHMSA_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+  return n > 1 ? n : 1;
+}
+
+}  // namespace flashmsa::cuda

@@ -856,12 +856,6 @@ KvwPlan plan_kvw(const MsaParams& p, int streams) {
   return pl;
 }
 
-int sm_count(int device) {
-  int n = 0;
-  FLASHMSA_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-  return std::max(1, n);
-}
-
 // Helper stream i of `device` for the calling host thread: created on first use (non-blocking, so
 // the legacy default stream does not serialise against it; in relaxed capture mode, so that a first
 // use inside a capture is legal), cached per thread and never destroyed: up to kMaxStreams per

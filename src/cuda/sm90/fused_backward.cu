@@ -198,11 +198,10 @@ void set_smem(Kernel kernel, int bytes) {
 // dense warm-up's wave size (FoldArgs::wave_ctas). After set_smem, which the occupancy query needs.
 template <typename Kernel>
 int resident_ctas(Kernel kernel, int threads, int smem) {
-  int device = 0, sms = 0, per_sm = 0;
+  int device = 0, per_sm = 0;
   FLASHMSA_CUDA_CHECK(cudaGetDevice(&device));
-  FLASHMSA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   FLASHMSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
-  return std::max(1, sms * per_sm);
+  return std::max(1, sm_count(device) * per_sm);
 }
 
 // Whether the wgmma backward alternates its list walk per wave (FoldArgs::wave_ctas): the dense
