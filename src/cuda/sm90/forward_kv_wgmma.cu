@@ -128,7 +128,8 @@ constexpr int kRows = 64;                       // rows of an M-tile (one consum
 // Q ring. 5, not 4: a consumer waits for its next tile's Q before issuing this tile's PV (the
 // two products go out back to back), one stage period earlier than an unpipelined consumer, and
 // the gathered q rows come from HBM; the fifth stage (16 KB of the ~29 KB left) lets the producer
-// run half a warpgroup-tile further ahead. A stage serves whichever warpgroup owns its tile.
+// run half a warpgroup-tile further ahead. A stage serves whichever warpgroup owns its tile (one
+// full barrier per stage and warpgroup: kFullBars).
 constexpr int kStages = 5;
 constexpr int kMaxTiles = 32;                   // tiles per work item at most
 constexpr int kMaxItemTok = kMaxTiles * kRows / 4;  // tokens per item at most (m = 4)
@@ -157,8 +158,18 @@ constexpr int oStg = oQ + kStages * kQTile;
 constexpr int oStgL = oStg + 2 * kStgBytes;     // [2][64] fp32 row sums
 constexpr int oList = oStgL + 2 * kRows * 4;    // [2][kMaxItemTok] int32 tokens
 constexpr int oInfo = oList + 2 * kMaxItemTok * 4;  // [2] int2 {first key row, tokens}
-constexpr int oBar = oInfo + 2 * 8;  // full[kStages], empty[kStages], k_full, k_empty, v_full, v_empty
-constexpr int oStgL64 = oBar + (2 * kStages + 4) * 8;  // [2][64] int64 row sums (deterministic form)
+// Q stage "full" barriers: one per (stage, consumer warpgroup), tile tg on full[tg % kFullBars] with
+// parity (tg / kFullBars) & 1. A parity wait tells apart only the current phase and the one before
+// it, so each waiter must see every phase of its barrier. Tile tg belongs to warpgroup tg & 1 and
+// kStages is odd, so a stage's tiles alternate between the warpgroups: with one full barrier per
+// stage a warpgroup waited for every other phase only, and its wait for tile tg (phase k) could
+// return at once while the other warpgroup's tile tg - kStages (phase k - 1) was still loading (its
+// TMA issued before, landing after, this warpgroup's tile tg - 2). tg % (2 kStages) fixes both the
+// stage and the owner, so each barrier has one waiter that sees each phase.
+constexpr int kFullBars = 2 * kStages;
+constexpr int oBar = oInfo + 2 * 8;  // full[kFullBars], empty[kStages], k_full, k_empty, v_full, v_empty
+// [2][64] int64 row sums (deterministic form); 16-byte aligned: the source of bulk reduce-adds.
+constexpr int oStgL64 = (oBar + (kFullBars + kStages + 4) * 8 + 15) / 16 * 16;
 constexpr int kSmemBytes = oStgL64 + 2 * kRows * 8;
 constexpr int kSmem = kSmemBytes + 1024;        // + alignment slack of the dynamic base
 static_assert(kSmem <= 227 * 1024, "forward_kv_wgmma: shared memory over the sm_90 limit");
@@ -396,8 +407,8 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
   float* sStgL = reinterpret_cast<float*>(smem + oStgL);          // [2 WG][64] fp32
   int32_t* sList = reinterpret_cast<int32_t*>(smem + oList);      // [2][kMaxItemTok] tokens
   int2* sInfo = reinterpret_cast<int2*>(smem + oInfo);            // [2] {first key row, tokens or -1}
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + oBar);      // [kStages]
-  uint64_t* empty = full + kStages;                               // [kStages]
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + oBar);      // [kFullBars] (see kFullBars)
+  uint64_t* empty = full + kFullBars;                             // [kStages]
   // K (with the list and info) and V have separate barriers: a warpgroup releases K after its
   // last S of the item and V after its last PV, so the next item's K (and its first Q tiles)
   // load under the current item's last softmax / PV / staging; V follows once it is free.
@@ -407,10 +418,8 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
   uint64_t* v_empty = v_full + 1;                                 // [1]
 
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      ::cuda::ptx::mbarrier_init(full + s, 1);
-      ::cuda::ptx::mbarrier_init(empty + s, 128);  // the one consumer warpgroup of the stage
-    }
+    for (int s = 0; s < kFullBars; ++s) ::cuda::ptx::mbarrier_init(full + s, 1);
+    for (int s = 0; s < kStages; ++s) ::cuda::ptx::mbarrier_init(empty + s, 128);  // the tile's warpgroup
     ::cuda::ptx::mbarrier_init(k_full, 32);              // every producer lane (its list writes)
     ::cuda::ptx::mbarrier_init(k_empty, kConsumerThreads);
     ::cuda::ptx::mbarrier_init(v_full, 1);
@@ -462,15 +471,16 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
       const int ntiles = (ntok + kTok - 1) / kTok;
       auto issue_q = [&](int i) {
         const int tg = tile_g + i, st = tg % kStages;
+        uint64_t* const fb = full + tg % kFullBars;
         if (tg >= kStages) mbarrier_wait(empty + st, ((tg / kStages) - 1) & 1);
         const int n = min(kTok, ntok - i * kTok);
         ::cuda::ptx::mbarrier_arrive_expect_tx(::cuda::ptx::sem_release, ::cuda::ptx::scope_cta,
-                                               ::cuda::ptx::space_shared, full + st, n * M * kD * 2);
+                                               ::cuda::ptx::space_shared, fb, n * M * kD * 2);
         unsigned char* dst = sQ + st * kQTile;
         for (int j = 0; j < n; ++j) {
           const int t = list[i * kTok + j];
-          tma_load_3d(dst + j * M * 128, &q_map, 0, head0, t, full + st);
-          tma_load_3d(dst + kQSlab + j * M * 128, &q_map, 64, head0, t, full + st);
+          tma_load_3d(dst + j * M * 128, &q_map, 0, head0, t, fb);
+          tma_load_3d(dst + kQSlab + j * M * 128, &q_map, 64, head0, t, fb);
         }
       };
       // Each warpgroup's first tile before V: their stages are freed by S products of earlier
@@ -517,7 +527,7 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
     bool ok0, ok1;
   };
   // Issues tile i's S = Q K^T into s (one commit group; the caller has waited for its Q stage,
-  // full[tg % kStages]); then its rows' metadata, whose global mref loads run under the product
+  // full[tg % kFullBars]); then its rows' metadata, whose global mref loads run under the product
   // and whatever the warpgroup does before the softmax.
   auto start_tile = [&](float (&s)[64], const int32_t* list, int ntok, int krow, int i, int tg) {
     TileRows tr;
@@ -699,11 +709,18 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
     int i = (tile_g & 1) == cw ? 0 : 1;  // this warpgroup's first tile of the item
     if (i >= ntiles) {
       ::cuda::ptx::mbarrier_arrive(k_empty);  // nothing of this item for this warpgroup
+      // V only once this item's V has landed: (1) the other warpgroup may still run its last PV of
+      // the previous item (k_full of this item does not wait for the producer's v_empty wait), and
+      // an arrival now would complete the PREVIOUS item's v_empty phase (256 arrivals, 128 of them
+      // this warpgroup's second): V of this item would be loaded under that PV; (2) every waiter
+      // must see every v_full phase (parity waits), or its next wait could return for the previous
+      // item's V still in flight. V of this item is issued after the previous v_empty phase.
+      mbarrier_wait(v_full, it & 1);
       ::cuda::ptx::mbarrier_arrive(v_empty);
       tile_g += ntiles;
       continue;
     }
-    mbarrier_wait(full + (tile_g + i) % kStages, ((tile_g + i) / kStages) & 1);
+    mbarrier_wait(full + (tile_g + i) % kFullBars, ((tile_g + i) / kFullBars) & 1);
     TileRows cur = start_tile(s, list, ntok, krow, i, tile_g + i);
     float l0, l1;
     wgmma_wait<0>();
@@ -718,7 +735,7 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
       if (inext >= ntiles) break;
       // The next tile's Q (usually long loaded: the ring runs ahead) before PV(i), so that the
       // two products go out back to back.
-      mbarrier_wait(full + (tile_g + inext) % kStages, ((tile_g + inext) / kStages) & 1);
+      mbarrier_wait(full + (tile_g + inext) % kFullBars, ((tile_g + inext) / kFullBars) & 1);
       start_pv(o, pf);
       const TileRows nxt = start_tile(s, list, ntok, krow, inext, tile_g + inext);
       wgmma_wait<1>();  // PV(i); S(i + 2) may still run
