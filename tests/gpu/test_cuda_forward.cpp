@@ -664,12 +664,12 @@ TEST(CudaForward, WgmmaKvOverflowRowsRecomputed) {
   GPUTEST_REQUIRE_DEVICE();
   check_overflow_recomputed(shape(32, 2, 2, 1, 128, 8, {1900, 700}), 148);  // m = 16
   check_overflow_recomputed(shape(16, 2, 4, 1, 128, 8, {1900, 700}), 153);  // m = 4
-  // The deterministic (int64) form flags rows 2^20 above the reference: the same inputs.
+  // The deterministic (fixed-point, two-pass) form flags rows 2^20 above the reference: the same inputs.
   check_overflow_recomputed(shape(32, 2, 2, 1, 128, 8, {1900, 700}), 148, /*det=*/true);
 }
 
-// Deterministic mode on the wgmma KV-major forward (int64 fixed-point accumulators, groups of 8
-// or 16 heads): against the CPU backend and the fast (fp32) form, bitwise identical over reruns
+// Deterministic mode on the wgmma KV-major forward (two passes: int64 row sums, then int32 o of
+// the normalised probabilities; groups of 8 or 16 heads): against the CPU backend and the fast (fp32) form, bitwise identical over reruns
 // (also with small chunks and one or three streams, whose order of reduce-adds differs), and
 // FLASHMSA_DET_FWD=query (the query-major kernel) within the tolerances.
 void check_deterministic_wgmma_forward(const Shape& s, uint64_t seed) {
@@ -689,7 +689,7 @@ void check_deterministic_wgmma_forward(const Shape& s, uint64_t seed) {
   EXPECT_LT(rel_err(det.kl, c.kl), 1e-2) << "deterministic kl vs CPU backend";
   EXPECT_LT(gputest::rel_l2(det.o, fast.o), 1e-2) << "deterministic vs fast o";
   EXPECT_LT(gputest::max_abs_diff(det.lse, fast.lse), 1e-4) << "deterministic vs fast lse";
-  EXPECT_NE(det.o, fast.o) << "deterministic and fast o bitwise equal: the int64 form did not run";
+  EXPECT_NE(det.o, fast.o) << "deterministic and fast o bitwise equal: the fixed-point form did not run";
   for (const char* streams : {"1", "3"}) {
     ScopedEnv n("FLASHMSA_FWD_STREAMS", streams);
     ScopedChunk chunk("256");
@@ -727,9 +727,9 @@ void check_deterministic_wgmma_forward(const Shape& s, uint64_t seed) {
   ScopedForwardPath unset(nullptr);
   ScopedEnv query_env("FLASHMSA_DET_FWD", "query");
   const GpuForward qm = run_gpu_on(pr, sel, true, true);
-  EXPECT_NE(qm.lse, det.lse) << "FLASHMSA_DET_FWD=query gave the int64 form's bits: the switch did nothing";
-  EXPECT_LT(gputest::rel_l2(qm.o, det.o), 1e-2) << "query-major vs int64 deterministic o";
-  EXPECT_LT(gputest::max_abs_diff(qm.lse, det.lse), 1e-4) << "query-major vs int64 deterministic lse";
+  EXPECT_NE(qm.lse, det.lse) << "FLASHMSA_DET_FWD=query gave the KV-major form's bits: the switch did nothing";
+  EXPECT_LT(gputest::rel_l2(qm.o, det.o), 1e-2) << "query-major vs KV-major deterministic o";
+  EXPECT_LT(gputest::max_abs_diff(qm.lse, det.lse), 1e-4) << "query-major vs KV-major deterministic lse";
 }
 
 TEST(CudaForward, WgmmaKvDeterministic) {
@@ -739,7 +739,7 @@ TEST(CudaForward, WgmmaKvDeterministic) {
 }
 
 // One NaN in v, q or k reaches o of the fast form (every row that selects v's or k's block, the one
-// row of q). The deterministic int64 form must not turn it into finite values: a non-finite v turns
+// row of q). The deterministic fixed-point form must not turn it into finite values: a non-finite v turns
 // its factors NaN and every row is recomputed query-major; a non-finite q or k makes the row sums of
 // the tiles it enters non-finite, which flags those tokens for the recompute.
 TEST(CudaForward, WgmmaKvDeterministicNonFiniteInput) {

@@ -91,6 +91,13 @@ __device__ __forceinline__ void bulk_reduce_add_u64(long long* dst, uint32_t src
                "r"(src_smem), "r"(bytes)
                : "memory");
 }
+// The same for int32 fixed point (.add.s32).
+__device__ __forceinline__ void bulk_reduce_add_s32(int32_t* dst, uint32_t src_smem, uint32_t bytes) {
+  const uint64_t gaddr = static_cast<uint64_t>(__cvta_generic_to_global(dst));
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.s32 [%0], [%1], %2;\n" ::"l"(gaddr),
+               "r"(src_smem), "r"(bytes)
+               : "memory");
+}
 // Closes this thread's pending bulk operations into one bulk async-group.
 __device__ __forceinline__ void bulk_commit_group() {
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");

@@ -69,20 +69,21 @@
 // and only m = 4 with an odd j would read wrong rows: the GPU test at m = 4 with >= 2 tokens per
 // tile is the decisive check.
 //
-// Fast form (DET = false) not deterministic: the fp32 reduce-adds into acc_o / acc_l run in no
-// fixed order. Deterministic form (DET = true, m = 8 or 16): the same products, but each tile's
-// O and l leave as int64 fixed point (round(x * F), F = fx_o / fx_l powers of two from bounds),
-// so the accumulator sums commute and every run gives the same bits. The bounds need a row's
-// terms bounded: a row is flagged (recomputed query-major, itself deterministic) when its best
-// score exceeds the reference by more than 2^20 instead of 2^64, so every kept term P <= 2^20,
-// l <= 2^20 * 32 blocks * 128 keys and |acc_o| <= l * max|v|. O is staged in four quarters of 32
-// columns, alternating between the two 16 KB halves of the fp32 staging tile (a quarter's bulk
-// reads overlap the next quarter's stores: 0.4 ms faster at m3/64k than two 64-column passes
-// through the whole tile), each token's m rows of a quarter one bulk .add.u64 of m * 256 bytes
-// into acc_o read as int64 [C][4 quarters][m][32] (64-byte chunk j of a row at j ^ (head & 3)),
-// acc_l int64 [C][m]. Twice the fp32 bytes, and those bytes are the cost: a timing-only build
-// that reduces only half the columns runs in 16.7 ms instead of 25 (fast form 15.0). The chunk
-// holds three quarters of the fast form's tokens in a 1.5x budget (kAccBudgetDet).
+// Fast form (Form::fast) not deterministic: the fp32 reduce-adds into acc_o / acc_l run in no
+// fixed order. Deterministic form (m = 8 or 16): two passes per (p, chunk) over the same items,
+// each result in fixed point (round(x * F), F a power of two from a bound), so that the integer
+// sums commute and every run gives the same bits:
+//   Form::det_sum: S and P only (no V, no PV): each token's m row sums leave as int64 (one bulk
+//     .add.u64 of m * 8 bytes) into acc_l. A row is flagged (recomputed query-major, itself
+//     deterministic) when its best score exceeds the reference by more than 2^20 instead of 2^64,
+//     so every kept term P <= 2^20 and l <= 2^20 * 32 blocks * 128 keys.
+//   kvw_det_mid_kernel: lse = (mref + log2 l) ln 2 written, and the row's reference becomes
+//     ref = mref + log2 l (rows with l < 2^-8 flagged).
+//   Form::det_out: the fast form's tile with P = 2^(S scale log2e - ref) <= 1, the normalised
+//     probabilities, so |o| <= (sum of bf16(P)) max|v| <= ~1.004 max|v|: O leaves as INT32 (F from
+//     2 max|v|, quantum ~2^-29 max|v|) in the fast form's layout and bytes (bulk .add.s32), no l.
+// The one-pass int64 form it replaced (O as int64: twice the fp32 bytes, and those bytes were the
+// cost) took 24.1 ms at m3/64k against the fast form's 15.3.
 //
 // Traffic per 64-row tile (4.2 MFLOP): 16 KB of Q in, 32 KB of fp32 O reduced out (12 KB per
 // (token, group, block) against the query-major 64 KB), plus 64 KB of K/V per work item (~16
@@ -139,11 +140,11 @@ constexpr int kConsumerThreads = 256;
 // m3/64k, H200: C = 1024 / 2048 / 4096 / 8192 -> forward 25.7 / 19.4 / 17.6 / 21.8 ms (8192: 64 MB,
 // past the L2).
 constexpr size_t kAccBudget = size_t{32} << 20;
-// The deterministic form's int64 accumulators (twice the bytes per token): 48 MB. m3/64k, H200,
-// two streams: C = 1024 / 1536 / 2048 per stream -> forward 26.1-26.3 / 25.3 / 25.7 ms.
-constexpr size_t kAccBudgetDet = size_t{48} << 20;
 constexpr float kOverflowLog2 = 64.f;
-constexpr float kOverflowLog2Det = 20.f;  // deterministic form: bounds the fixed-point range
+constexpr float kOverflowLog2Det = 20.f;  // deterministic form: bounds the fixed-point range of l
+
+// What a main-kernel launch computes (the deterministic form takes two launches per (p, chunk)).
+enum class Form { fast, det_sum, det_out };
 
 // Shared-memory plan (byte offsets from the 1024-aligned base).
 constexpr int kKSlab = kBlk * 128;              // one 64-column slab of K or V
@@ -168,7 +169,7 @@ constexpr int oInfo = oList + 2 * kMaxItemTok * 4;  // [2] int2 {first key row, 
 // stage and the owner, so each barrier has one waiter that sees each phase.
 constexpr int kFullBars = 2 * kStages;
 constexpr int oBar = oInfo + 2 * 8;  // full[kFullBars], empty[kStages], k_full, k_empty, v_full, v_empty
-// [2][64] int64 row sums (deterministic form); 16-byte aligned: the source of bulk reduce-adds.
+// [2][64] int64 row sums (Form::det_sum); 16-byte aligned: the source of bulk reduce-adds.
 constexpr int oStgL64 = (oBar + (kFullBars + kStages + 4) * 8 + 15) / 16 * 16;
 constexpr int kSmemBytes = oStgL64 + 2 * kRows * 8;
 constexpr int kSmem = kSmemBytes + 1024;        // + alignment slack of the dynamic base
@@ -288,8 +289,10 @@ __global__ void __launch_bounds__(kPlanThreads) kvw_plan_kernel(
 // One warp per accumulator row R = token * M + hh (lane: columns 4 lane .. 4 lane + 3).
 // Finalize (tok < fin_n): o[t, h] = acc_o / acc_l (bf16), lse[h, t] = (mref + log2 acc_l) ln 2;
 // overflow[t] = 1 where acc_l < 2^-64 (nothing selected, or every term flushed to zero).
-// Prepare (tok < prep_n): mref = scale log2e <q[t, h], k[t, kvh]>, acc_o = acc_l = 0.
-// DET: acc_o / acc_l are int64 (layout at the top of the file), values times fx[0] / fx[1].
+// DET (the two-pass form): acc_o is int32 of the normalised o, o = acc_o / fx[0]; lse and the
+// flags were written by kvw_det_mid_kernel.
+// Prepare (tok < prep_n): mref = scale log2e <q[t, h], k[t, kvh]>, acc_o = acc_l = 0 (DET: acc_l
+// int64).
 template <int M, bool DET>
 __global__ void __launch_bounds__(256) kvw_finprep_kernel(
     int fin_c0, int fin_n, int fin_head0,
@@ -298,12 +301,12 @@ __global__ void __launch_bounds__(256) kvw_finprep_kernel(
     const bf16* __restrict__ k,  // [T, Hkv, 128]
     int H, int Hkv, int64_t T, float scale_log2,
     float* __restrict__ mref,    // [C, M]
-    float* __restrict__ acc_o,   // [C, M, 128], 8-float chunk j stored at j ^ (hh & 3)
-    float* __restrict__ acc_l,   // [C, M]
+    float* __restrict__ acc_o,   // [C, M, 128] (DET: int32), 8-element chunk j stored at j ^ (hh & 3)
+    float* __restrict__ acc_l,   // [C, M] (DET: int64)
     bf16* __restrict__ o,        // [T, H, 128]
     float* __restrict__ lse,     // [H, T]
     int32_t* __restrict__ overflow,  // [T]
-    const float* __restrict__ fx) {  // DET: [2] fixed-point factors of acc_o, acc_l
+    const float* __restrict__ fx) {  // DET: [1] fixed-point factor of acc_o
   const int lane = threadIdx.x & 31;
   const int rows = max(fin_n, prep_n) * M;
   const int warps = gridDim.x * (blockDim.x >> 5);
@@ -311,42 +314,32 @@ __global__ void __launch_bounds__(256) kvw_finprep_kernel(
     const int tok = R / M, hh = R % M;
     float4* a4 = reinterpret_cast<float4*>(acc_o + static_cast<int64_t>(R) * kD) +
                  ((((lane >> 1) ^ (hh & 3)) << 1) | (lane & 1));
-    // DET: columns 4 lane .. 4 lane + 3 lie in quarter lane / 8, 64-byte chunk (lane & 7) / 2 of
-    // the row's quarter, stored at chunk ^ (hh & 3); two 16-byte halves.
-    long long* const a64 = reinterpret_cast<long long*>(acc_o) +
-                           ((static_cast<int64_t>(tok) * 4 + (lane >> 3)) * M + hh) * 32 +
-                           (((((lane & 7) >> 1) ^ (hh & 3)) << 3) | ((lane & 1) << 2));
     if (tok < fin_n) {
-      float4 a;
-      float l;
-      if constexpr (DET) {
-        const longlong2 x = reinterpret_cast<const longlong2*>(a64)[0];
-        const longlong2 y = reinterpret_cast<const longlong2*>(a64)[1];
-        const float f = 1.f / __ldg(fx);
-        a = make_float4(static_cast<float>(x.x) * f, static_cast<float>(x.y) * f, static_cast<float>(y.x) * f,
-                        static_cast<float>(y.y) * f);
-        l = static_cast<float>(reinterpret_cast<const long long*>(acc_l)[R]) / __ldg(fx + 1);
-      } else {
-        a = *a4;
-        l = acc_l[R];
-      }
-      const float mr = mref[R];
       const int64_t t = static_cast<int64_t>(fin_c0) + tok;
       const int h = fin_head0 + hh;
-      const float inv = 1.f / l;
+      float4 a;
+      float inv;
+      if constexpr (DET) {
+        const int4 x = *reinterpret_cast<const int4*>(a4);
+        a = make_float4(static_cast<float>(x.x), static_cast<float>(x.y), static_cast<float>(x.z),
+                        static_cast<float>(x.w));
+        inv = 1.f / __ldg(fx);
+      } else {
+        a = *a4;
+        const float l = acc_l[R];
+        inv = 1.f / l;
+        if (lane == 0) {
+          lse[static_cast<int64_t>(h) * T + t] = (mref[R] + log2f(l)) * kLn2;
+          // A row with nothing (all-padding selection, allowed by the API) or whose every term
+          // underflowed (own block not selected and the reference far above the row's maximum):
+          // the query-major recompute gives the exact answer (o = 0, lse = -inf when empty).
+          if (!(l >= 0x1p-64f)) overflow[t] = 1;
+        }
+      }
       uint2 packed;
       packed.x = pack_bf16x2(a.x * inv, a.y * inv);
       packed.y = pack_bf16x2(a.z * inv, a.w * inv);
       *reinterpret_cast<uint2*>(o + (t * H + h) * kD + 4 * lane) = packed;
-      if (lane == 0) {
-        lse[static_cast<int64_t>(h) * T + t] = (mr + log2f(l)) * kLn2;
-        // A row with nothing (all-padding selection, allowed by the API) or whose every term
-        // underflowed (own block not selected and the reference far above the row's maximum):
-        // the query-major recompute gives the exact answer (o = 0, lse = -inf when empty).
-        // DET: l's fixed-point quantum is ~2^-30, so a row far below its reference (own block
-        // not selected) would lose digits long before 2^-64; with the own block l is ~1 or more.
-        if (!(l >= (DET ? 0x1p-8f : 0x1p-64f))) overflow[t] = 1;
-      }
     }
     __syncwarp();  // every lane has read mref[R] and acc_l[R] before lane 0 rewrites them
     if (tok < prep_n) {
@@ -361,12 +354,7 @@ __global__ void __launch_bounds__(256) kvw_finprep_kernel(
       float dot = q0.x * k0.x + q0.y * k0.y + q1.x * k1.x + q1.y * k1.y;
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-      if constexpr (DET) {
-        reinterpret_cast<longlong2*>(a64)[0] = make_longlong2(0, 0);
-        reinterpret_cast<longlong2*>(a64)[1] = make_longlong2(0, 0);
-      } else {
-        *a4 = make_float4(0.f, 0.f, 0.f, 0.f);
-      }
+      *a4 = make_float4(0.f, 0.f, 0.f, 0.f);  // all-zero bits: 0 in int32 too
       if (lane == 0) {
         mref[R] = dot * scale_log2;
         if constexpr (DET) reinterpret_cast<long long*>(acc_l)[R] = 0;
@@ -376,9 +364,34 @@ __global__ void __launch_bounds__(256) kvw_finprep_kernel(
   }
 }
 
+// The deterministic form between its passes, one thread per row R = token * M + hh of the chunk:
+// l = acc_l / fx_l (int64 sums of Form::det_sum), lse[h, t] = (mref + log2 l) ln 2, and the row's
+// reference for Form::det_out becomes mref + log2 l (its P are then the normalised probabilities).
+// overflow[t] = 1 where l < 2^-8: l's fixed-point quantum is ~2^-30, so a row far below its
+// reference (own block not selected) would lose digits long before 2^-64; with the own block l is
+// ~1 or more. A NaN l (non-finite v: fx_l is then NaN) is flagged too.
+template <int M>
+__global__ void __launch_bounds__(256) kvw_det_mid_kernel(
+    int c0, int n, int head0, int64_t T,
+    float* __restrict__ mref,             // [C, M] in: diagonal reference; out: mref + log2 l
+    const long long* __restrict__ acc_l,  // [C, M] int64
+    float* __restrict__ lse,              // [H, T]
+    int32_t* __restrict__ overflow,       // [T]
+    const float* __restrict__ fx) {       // [2]: fx_o, fx_l
+  const int rows = n * M;
+  for (int R = blockIdx.x * blockDim.x + threadIdx.x; R < rows; R += gridDim.x * blockDim.x) {
+    const float l = static_cast<float>(acc_l[R]) / __ldg(fx + 1);
+    const float ref = mref[R] + log2f(l);
+    const int64_t t = static_cast<int64_t>(c0) + R / M;
+    mref[R] = ref;
+    lse[static_cast<int64_t>(head0 + R % M) * T + t] = ref * kLn2;
+    if (!(l >= 0x1p-8f)) overflow[t] = 1;
+  }
+}
+
 // ---- the main kernel ---------------------------------------------------------------------------
 
-template <int M, bool DET>
+template <int M, Form F>
 __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
     const __grid_constant__ CUtensorMap q_map,  // q [T, H, 128], box {64 cols, M heads, 1 token}
     const __grid_constant__ CUtensorMap k_map,  // k [T, Hkv, 128], box {64 cols, 1, 128 rows}
@@ -388,15 +401,16 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
     int32_t* __restrict__ counter,              // [1] zero before the launch; next item to take
     const int32_t* __restrict__ vals,           // [Hp*T*K] index entries t*K + slot
     const float* __restrict__ mref,             // [C, M] reference of each row (log2 units)
-    float* __restrict__ acc_o,                  // [C, M, 128] fp32, permuted 8-float chunks (DET: int64)
-    float* __restrict__ acc_l,                  // [C, M] fp32 (DET: int64)
+    float* __restrict__ acc_o,                  // [C, M, 128] permuted 8-element chunks: fp32 (det_out: int32)
+    float* __restrict__ acc_l,                  // [C, M] fp32 (det_sum: int64; det_out: unused)
     int32_t* __restrict__ overflow,             // [T] set to 1 where a row overflows
     int K, int c0, int head0, int kvh, float scale_log2,
-    const float* __restrict__ fx) {             // DET: [2] fixed-point factors of acc_o, acc_l
+    const float* __restrict__ fx) {             // deterministic form: [2] fixed-point factors of acc_o, acc_l
   constexpr int kTok = kRows / M;  // tokens per tile
   static_assert(kRows % M == 0 && M % 4 == 0 && kMaxTiles * kTok <= kMaxItemTok, "group size");
-  static_assert(!DET || M % 8 == 0, "the deterministic form is built for groups of 8 or 16 heads only");
-  constexpr float kOverflow = DET ? kOverflowLog2Det : kOverflowLog2;
+  static_assert(F == Form::fast || M % 8 == 0, "the deterministic form is built for groups of 8 or 16 heads only");
+  constexpr bool kWithV = F != Form::det_sum;  // det_sum: S and row sums only
+  constexpr float kOverflow = F == Form::det_sum ? kOverflowLog2Det : kOverflowLog2;
   extern __shared__ __align__(16) unsigned char kvw_smem_raw[];
   // Offset from the shared array (not an integer round trip), so the compiler keeps LDS/STS.
   unsigned char* smem = kvw_smem_raw + ((1024u - (smem_u32(kvw_smem_raw) & 1023u)) & 1023u);
@@ -489,11 +503,13 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
       const int early = min(ntiles, 2);
       if (lane == 0)
         for (int i = 0; i < early; ++i) issue_q(i);
-      if (it > 0) mbarrier_wait(v_empty, (it - 1) & 1);  // V of item it - 1 is free
+      if (kWithV && it > 0) mbarrier_wait(v_empty, (it - 1) & 1);  // V of item it - 1 is free
       if (lane == 0) {
-        ::cuda::ptx::mbarrier_arrive_expect_tx(::cuda::ptx::sem_release, ::cuda::ptx::scope_cta,
-                                               ::cuda::ptx::space_shared, v_full, kKTile);
-        for (int slab = 0; slab < 2; ++slab) tma_load_3d(sV + slab * kKSlab, &v_map, slab * 64, kvh, krow, v_full);
+        if constexpr (kWithV) {
+          ::cuda::ptx::mbarrier_arrive_expect_tx(::cuda::ptx::sem_release, ::cuda::ptx::scope_cta,
+                                                 ::cuda::ptx::space_shared, v_full, kKTile);
+          for (int slab = 0; slab < 2; ++slab) tma_load_3d(sV + slab * kKSlab, &v_map, slab * 64, kvh, krow, v_full);
+        }
         for (int i = early; i < ntiles; ++i) issue_q(i);
       }
       tile_g += ntiles;
@@ -548,93 +564,80 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
     return tr;
   };
 
-  // O (fp32, this thread's accumulator elements) and the row sums of a finished tile into the
+  // O (this thread's accumulator elements) and the row sums of a finished tile into the
   // warpgroup's staging tile, then each token's reduce-adds into the chunk accumulator.
   auto stage_reduce = [&](const float (&o)[64], const TileRows& tr, float l0, float l1) {
-    if constexpr (DET) {
-      // Four quarters of 32 int64 columns (layout at the top of the file), alternating between the
-      // two 16 KB halves of the staging, so a quarter's bulk reads overlap the next quarter's
-      // conversions and stores; l with the first quarter.
-      const float fx_o = __ldg(fx), fx_l = __ldg(fx + 1);
-      long long* const stg_l64 = reinterpret_cast<long long*>(smem + oStgL64) + cw * kRows;
-      const uint32_t stg_l64_u32 = smem_u32(stg_l64);
-      long long* const acc_o64 = reinterpret_cast<long long*>(acc_o);
-      long long* const acc_l64 = reinterpret_cast<long long*>(acc_l);
-#pragma unroll
-      for (int quarter = 0; quarter < 4; ++quarter) {
-        const int half = (quarter & 1) * (kStgBytes / 2);
-        unsigned char* const row0 = reinterpret_cast<unsigned char*>(stg) + half + r0 * 256;
-        unsigned char* const row1 = reinterpret_cast<unsigned char*>(stg) + half + r1 * 256;
-        // This half's previous reader (two quarters back, possibly the previous tile's) is done;
-        // the most recent group, on the other half, may still read.
-        if (issuer) bulk_wait_group_read<1>();
-        bar_sync(kBarStg + cw, 128);
-#pragma unroll
-        for (int jq = 0; jq < 4; ++jq) {
-          const int j = 4 * quarter + jq;  // this thread's columns 8j + 2c, +1 (quarter-local 8jq + 2c)
-          const int at = (((jq ^ perm) << 6) | (c << 4));
-          *reinterpret_cast<longlong2*>(row0 + at) =
-              make_longlong2(__float2ll_rn(o[4 * j] * fx_o), __float2ll_rn(o[4 * j + 1] * fx_o));
-          *reinterpret_cast<longlong2*>(row1 + at) =
-              make_longlong2(__float2ll_rn(o[4 * j + 2] * fx_o), __float2ll_rn(o[4 * j + 3] * fx_o));
-        }
-        if (quarter == 0 && c == 0) {
-          stg_l64[r0] = __float2ll_rn(l0 * fx_l);
-          stg_l64[r1] = __float2ll_rn(l1 * fx_l);
-        }
-        fence_proxy_async_shared();  // generic writes of the staging before the async-proxy reads
-        bar_sync(kBarStg + cw, 128);
-        if (issuer) {
-          const uint32_t src = stg_u32 + half;
-          if (own0 && tr.ok0) {
-            const int64_t row = static_cast<int64_t>(tr.t0 - c0) * M;
-            bulk_reduce_add_u64(acc_o64 + (row * 4 + quarter * M) * 32, src + r0 * 256, M * 256);
-            if (quarter == 0) bulk_reduce_add_u64(acc_l64 + row, stg_l64_u32 + r0 * 8, M * 8);
-          }
-          if (own1 && tr.ok1) {
-            const int64_t row = static_cast<int64_t>(tr.t1 - c0) * M;
-            bulk_reduce_add_u64(acc_o64 + (row * 4 + quarter * M) * 32, src + r1 * 256, M * 256);
-            if (quarter == 0) bulk_reduce_add_u64(acc_l64 + row, stg_l64_u32 + r1 * 8, M * 8);
-          }
-          bulk_commit_group();
-        }
-      }
-      return;
-    }
     // As late as possible: the previous tile's reduce-adds must have finished reading the staging.
     if (issuer) bulk_wait_group_read<0>();
     bar_sync(kBarStg + cw, 128);
+    if constexpr (F == Form::det_sum) {
+      long long* const stg_l64 = reinterpret_cast<long long*>(smem + oStgL64) + cw * kRows;
+      if (c == 0) {
+        const float fx_l = __ldg(fx + 1);
+        stg_l64[r0] = __float2ll_rn(l0 * fx_l);
+        stg_l64[r1] = __float2ll_rn(l1 * fx_l);
+      }
+      fence_proxy_async_shared();
+      bar_sync(kBarStg + cw, 128);
+      if (issuer) {
+        long long* const acc_l64 = reinterpret_cast<long long*>(acc_l);
+        const uint32_t src = smem_u32(stg_l64);
+        // Token t's m sums start at staging row r.
+        auto reduce_token = [&](int t, int r) {
+          bulk_reduce_add_u64(acc_l64 + static_cast<int64_t>(t - c0) * M, src + r * 8, M * 8);
+        };
+        if (own0 && tr.ok0) reduce_token(tr.t0, r0);
+        if (own1 && tr.ok1) reduce_token(tr.t1, r1);
+        bulk_commit_group();
+      }
+      return;
+    }
     float* row0 = stg + r0 * kD;
     float* row1 = stg + r1 * kD;
+    if constexpr (F == Form::det_out) {
+      const float fx_o = __ldg(fx);
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const int at = ((j ^ perm) << 3) + 2 * c;
-      *reinterpret_cast<float2*>(row0 + at) = make_float2(o[4 * j], o[4 * j + 1]);
-      *reinterpret_cast<float2*>(row1 + at) = make_float2(o[4 * j + 2], o[4 * j + 3]);
-    }
-    if (c == 0) {
-      stg_l[r0] = l0;
-      stg_l[r1] = l1;
+      for (int j = 0; j < 16; ++j) {
+        const int at = ((j ^ perm) << 3) + 2 * c;
+        *reinterpret_cast<int2*>(row0 + at) = make_int2(__float2int_rn(o[4 * j] * fx_o), __float2int_rn(o[4 * j + 1] * fx_o));
+        *reinterpret_cast<int2*>(row1 + at) =
+            make_int2(__float2int_rn(o[4 * j + 2] * fx_o), __float2int_rn(o[4 * j + 3] * fx_o));
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const int at = ((j ^ perm) << 3) + 2 * c;
+        *reinterpret_cast<float2*>(row0 + at) = make_float2(o[4 * j], o[4 * j + 1]);
+        *reinterpret_cast<float2*>(row1 + at) = make_float2(o[4 * j + 2], o[4 * j + 3]);
+      }
+      if (c == 0) {
+        stg_l[r0] = l0;
+        stg_l[r1] = l1;
+      }
     }
     fence_proxy_async_shared();  // generic writes of the staging before the async-proxy reads
     bar_sync(kBarStg + cw, 128);
     if (issuer) {
-      if (own0 && tr.ok0) {
-        const int64_t row = static_cast<int64_t>(tr.t0 - c0) * M;
-        bulk_reduce_add_f32(acc_o + row * kD, stg_u32 + r0 * kD * 4, M * kD * 4);
-        bulk_reduce_add_f32(acc_l + row, stg_l_u32 + r0 * 4, M * 4);
-      }
-      if (own1 && tr.ok1) {
-        const int64_t row = static_cast<int64_t>(tr.t1 - c0) * M;
-        bulk_reduce_add_f32(acc_o + row * kD, stg_u32 + r1 * kD * 4, M * kD * 4);
-        bulk_reduce_add_f32(acc_l + row, stg_l_u32 + r1 * 4, M * 4);
-      }
+      // Token t's m rows start at staging row r.
+      auto reduce_token = [&](int t, int r) {
+        const int64_t row = static_cast<int64_t>(t - c0) * M;
+        if constexpr (F == Form::det_out) {
+          bulk_reduce_add_s32(reinterpret_cast<int32_t*>(acc_o) + row * kD, stg_u32 + r * kD * 4, M * kD * 4);
+        } else {
+          bulk_reduce_add_f32(acc_o + row * kD, stg_u32 + r * kD * 4, M * kD * 4);
+          bulk_reduce_add_f32(acc_l + row, stg_l_u32 + r * 4, M * 4);
+        }
+      };
+      if (own0 && tr.ok0) reduce_token(tr.t0, r0);
+      if (own1 && tr.ok1) reduce_token(tr.t1, r1);
       bulk_commit_group();
     }
   };
 
   // Softmax of a finished S (this thread's two rows): causal mask in the own block, overflow
   // flags, P = 2^(S scale log2e - mref) into the bf16 A fragments of the PV product, row sums.
+  // det_out: no flags and no sums (mref = the row's lse in log2 units: P <= 1; a row flagged by
+  // det_sum is recomputed whatever it gets here); det_sum: no A fragments.
   auto softmax = [&](float (&s)[64], const TileRows& tr, uint32_t (&pf)[8][4], float& l0, float& l1) {
     if (tr.lim0 < kBlk - 1 || tr.lim1 < kBlk - 1) {
 #pragma unroll
@@ -645,15 +648,17 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
           if (col > ((e & 2) ? tr.lim1 : tr.lim0)) s[4 * j + e] = -INFINITY;
         }
     }
-    float mx0 = -INFINITY, mx1 = -INFINITY;
+    if constexpr (F != Form::det_out) {
+      float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
-      mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+      for (int j = 0; j < 16; ++j) {
+        mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
+        mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+      }
+      // Overflow: this thread's part of the row suffices (any quad lane may flag the token).
+      if (tr.ok0 && fmaf(mx0, scale_log2, -tr.mr0) > kOverflow) overflow[tr.t0] = 1;
+      if (tr.ok1 && fmaf(mx1, scale_log2, -tr.mr1) > kOverflow) overflow[tr.t1] = 1;
     }
-    // Overflow: this thread's part of the row suffices (any quad lane may flag the token).
-    if (tr.ok0 && fmaf(mx0, scale_log2, -tr.mr0) > kOverflow) overflow[tr.t0] = 1;
-    if (tr.ok1 && fmaf(mx1, scale_log2, -tr.mr1) > kOverflow) overflow[tr.t1] = 1;
     l0 = 0.f;
     l1 = 0.f;
 #pragma unroll
@@ -662,24 +667,30 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
       s[4 * j + 1] = fast_exp2(fmaf(s[4 * j + 1], scale_log2, -tr.mr0));
       s[4 * j + 2] = fast_exp2(fmaf(s[4 * j + 2], scale_log2, -tr.mr1));
       s[4 * j + 3] = fast_exp2(fmaf(s[4 * j + 3], scale_log2, -tr.mr1));
-      l0 += s[4 * j] + s[4 * j + 1];
-      l1 += s[4 * j + 2] + s[4 * j + 3];
+      if constexpr (F != Form::det_out) {
+        l0 += s[4 * j] + s[4 * j + 1];
+        l1 += s[4 * j + 2] + s[4 * j + 3];
+      }
     }
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    if constexpr (DET) {
+    if constexpr (F != Form::det_out) {
+      l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+      l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+      l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+      l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    }
+    if constexpr (F == Form::det_sum) {
       // Kept terms are <= 2^kOverflowLog2Det, so a non-finite row sum comes only from a non-finite
       // q or k (a NaN score, a NaN or infinite mref). Fixed point would turn it into finite
       // garbage: the token goes to the query-major recompute, which carries it as the fast form does.
       if (tr.ok0 && !(l0 <= FLT_MAX)) overflow[tr.t0] = 1;
       if (tr.ok1 && !(l1 <= FLT_MAX)) overflow[tr.t1] = 1;
-    }
+    } else {
 #pragma unroll
-    for (int kk = 0; kk < 8; ++kk) acc_to_a_frag(pf[kk], s + 8 * kk);
+      for (int kk = 0; kk < 8; ++kk) acc_to_a_frag(pf[kk], s + 8 * kk);
+    }
   };
   auto start_pv = [&](float (&o)[64], const uint32_t (&pf)[8][4]) {
+    if constexpr (!kWithV) return;  // det_sum: S only (its wait<1> below then waits for nothing)
     wgmma_fence_operands(o);
     wgmma_fence();  // pf was written by ordinary instructions
     issue_pv(o, pf, v_base);
@@ -709,14 +720,16 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
     int i = (tile_g & 1) == cw ? 0 : 1;  // this warpgroup's first tile of the item
     if (i >= ntiles) {
       ::cuda::ptx::mbarrier_arrive(k_empty);  // nothing of this item for this warpgroup
-      // V only once this item's V has landed: (1) the other warpgroup may still run its last PV of
-      // the previous item (k_full of this item does not wait for the producer's v_empty wait), and
-      // an arrival now would complete the PREVIOUS item's v_empty phase (256 arrivals, 128 of them
-      // this warpgroup's second): V of this item would be loaded under that PV; (2) every waiter
-      // must see every v_full phase (parity waits), or its next wait could return for the previous
-      // item's V still in flight. V of this item is issued after the previous v_empty phase.
-      mbarrier_wait(v_full, it & 1);
-      ::cuda::ptx::mbarrier_arrive(v_empty);
+      if constexpr (kWithV) {
+        // V only once this item's V has landed: (1) the other warpgroup may still run its last PV
+        // of the previous item (k_full of this item does not wait for the producer's v_empty wait),
+        // and an arrival now would complete the PREVIOUS item's v_empty phase (256 arrivals, 128 of
+        // them this warpgroup's second): V of this item would be loaded under that PV; (2) every
+        // waiter must see every v_full phase (parity waits), or its next wait could return for the
+        // previous item's V still in flight. V of this item is issued after the previous v_empty phase.
+        mbarrier_wait(v_full, it & 1);
+        ::cuda::ptx::mbarrier_arrive(v_empty);
+      }
       tile_g += ntiles;
       continue;
     }
@@ -729,7 +742,7 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
     // K and the list are read by S products and start_tile only: free after the last S.
     if (i + 2 >= ntiles) ::cuda::ptx::mbarrier_arrive(k_empty);
     softmax(s, cur, pf, l0, l1);
-    mbarrier_wait(v_full, it & 1);  // V of this item, before its first PV
+    if constexpr (kWithV) mbarrier_wait(v_full, it & 1);  // V of this item, before its first PV
     for (;;) {
       const int inext = i + 2;
       if (inext >= ntiles) break;
@@ -759,7 +772,7 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
     for (int kk = 0; kk < 8; ++kk) wgmma_fence_operands(pf[kk]);
     // This thread's last read of V is behind it (the reduce-adds take their tokens from
     // registers): the producer may load the next item's V under this tile's staging.
-    ::cuda::ptx::mbarrier_arrive(v_empty);
+    if constexpr (kWithV) ::cuda::ptx::mbarrier_arrive(v_empty);
     stage_reduce(o, cur, l0, l1);
     tile_g += ntiles;
   }
@@ -783,13 +796,12 @@ int stream_count() {
 }
 
 // FLASHMSA_FWD_CHUNK (tokens per chunk and stream; a multiple of 128, >= 128), read per call;
-// anything else (unset, malformed) gives the default: the S concurrent accumulators share
-// kAccBudget, so that all of them stay in L2 together (2048 tokens at m = 16, S = 2), or
-// kAccBudgetDet in deterministic mode (1536 tokens at m = 16, S = 2).
-int chunk_tokens(int m, int streams, bool det) {
-  const size_t per_token = static_cast<size_t>(m) * kD * (det ? 8 : 4) * static_cast<size_t>(streams);
-  const size_t budget = det ? kAccBudgetDet : kAccBudget;
-  const int fallback = std::max(kBlk, static_cast<int>(budget / per_token / kBlk * kBlk));
+// anything else (unset, malformed) gives the default: the S concurrent output accumulators (4
+// bytes per element in both forms) share kAccBudget, so that all of them stay in L2 together
+// (2048 tokens at m = 16, S = 2).
+int chunk_tokens(int m, int streams) {
+  const size_t per_token = static_cast<size_t>(m) * kD * 4 * static_cast<size_t>(streams);
+  const int fallback = std::max(kBlk, static_cast<int>(kAccBudget / per_token / kBlk * kBlk));
   const char* s = std::getenv("FLASHMSA_FWD_CHUNK");
   if (s == nullptr || *s == '\0') return fallback;
   char* end = nullptr;
@@ -807,7 +819,9 @@ struct KvwPlan {
   std::vector<int64_t> off;     // per chunk: first item slot inside a group's region
   std::vector<int64_t> bound;   // per chunk: items at most
   int64_t items_per_group = 0;
-  size_t o_items = 0, o_counts = 0;           // items [Hp, items_per_group]; n_items, counters [Hp, chunks] each
+  // items [Hp, items_per_group]; n_items and the item counters of each main launch (two in the
+  // deterministic form) [Hp, chunks] each
+  size_t o_items = 0, o_counts = 0;
   size_t o_acc = 0, acc_stride = 0;  // S chunk accumulators {acc_o, acc_l, mref}, acc_stride bytes apart
   size_t d_acc_l = 0, d_mref = 0;    // offsets of acc_l and mref inside one accumulator
   size_t o_fx = 0;                   // deterministic form: max|v| bits, fx_o, fx_l
@@ -815,14 +829,14 @@ struct KvwPlan {
 
 // Sizes and chunk ranges from the host copy of cu_seqlens (O(B + chunks log B) host work).
 KvwPlan plan_kvw(const MsaParams& p, int streams) {
-  const bool det = p.deterministic;  // int64 accumulators (the deterministic form)
+  const bool det = p.deterministic;  // the two-pass fixed-point form
   KvwPlan pl;
   pl.sel = selection_index_sizes(p);
   reserve_selection_index(pl.sel, p, pl.ws, nullptr);
   pl.m = p.H / p.Hp;
   pl.tok_per_tile = kRows / pl.m;
   pl.S = std::max(1, std::min(streams, p.Hp));
-  pl.C = chunk_tokens(pl.m, pl.S, det);
+  pl.C = chunk_tokens(pl.m, pl.S);
   pl.Ceff = static_cast<int>(std::min<int64_t>(pl.C, p.T));
   pl.n_chunks = static_cast<int>((p.T + pl.C - 1) / pl.C);
   const int32_t* cu = p.cu_seqlens_host;
@@ -853,12 +867,12 @@ KvwPlan plan_kvw(const MsaParams& p, int streams) {
     pl.items_per_group += bound;
   }
   pl.o_items = pl.ws.add(static_cast<size_t>(p.Hp) * pl.items_per_group * sizeof(int4));
-  pl.o_counts = pl.ws.add(2 * static_cast<size_t>(p.Hp) * pl.n_chunks * sizeof(int32_t));
+  pl.o_counts = pl.ws.add((det ? 3 : 2) * static_cast<size_t>(p.Hp) * pl.n_chunks * sizeof(int32_t));
   // The S chunk accumulators reuse the index's unsorted keys, sorted keys and unsorted values
   // (contiguous, dead once the list offsets are built: dead_bytes) when they fit there.
-  const size_t elem = det ? 8 : 4;
-  const size_t acc_o = static_cast<size_t>(pl.Ceff) * pl.m * kD * elem,
-               acc_row = static_cast<size_t>(pl.Ceff) * pl.m * elem;
+  // acc_o fp32 or int32, acc_l fp32 or int64 (deterministic form), mref fp32 (in acc_l's size).
+  const size_t acc_o = static_cast<size_t>(pl.Ceff) * pl.m * kD * 4,
+               acc_row = static_cast<size_t>(pl.Ceff) * pl.m * (det ? 8 : 4);
   auto up = [](size_t x) { return (x + 255) / 256 * 256; };
   pl.acc_stride = up(acc_o) + 2 * up(acc_row);
   pl.d_acc_l = up(acc_o);
@@ -979,16 +993,17 @@ class StreamFork {
   std::vector<cudaEvent_t> joins_;  // joins_[i] for helpers_[i]
 };
 
-// The deterministic form's fixed-point factors from max|v| (bits in fx[0]): kept terms
-// P <= 2^kOverflowLog2Det, a row has at most K blocks x 128 keys of them, bf16(P) <= 2 P.
-// fx: [3] = max|v| (float bits), fx_o, fx_l. A non-finite v makes both factors NaN: every row's
-// l is then NaN, finprep flags it (not l >= 2^-8) and the query-major kernel recomputes it, carrying
-// the NaN exactly where the fast form would, instead of the finite garbage of integer sums over NaN
-// terms (a slow path, taken only for such inputs). A non-finite q or k is caught per token by the
-// main kernel (its row sum).
+// The deterministic form's fixed-point factors (fx: [3] = max|v| as float bits, fx_o, fx_l):
+// fx_l (int64) from l <= K blocks x 128 keys x 2^kOverflowLog2Det (kept terms of det_sum);
+// fx_o (int32) from |o| <= (sum of a row's bf16(P)) max|v| <= 2 max|v| (det_out's P are the
+// normalised probabilities, each rounded to bf16). A non-finite v makes both factors NaN: every
+// row's l is then NaN, kvw_det_mid_kernel flags it and the query-major kernel recomputes it,
+// carrying the NaN exactly where the fast form would, instead of the finite garbage of integer
+// sums over NaN terms (a slow path, taken only for such inputs). A non-finite q or k is caught per
+// token by det_sum (its row sum).
 __global__ void kvw_det_factors_kernel(int K, float* __restrict__ fx) {
   const float l_bound = ldexpf(static_cast<float>(K) * kBlk, static_cast<int>(kOverflowLog2Det));
-  fx[1] = fixed_point_factor(2.f * l_bound * fx[0]);  // fx[0]: non-negative float bits read as a float
+  fx[1] = fixed_point_factor(2.f * fx[0], 30);  // fx[0]: non-negative float bits read as a float
   fx[2] = fixed_point_factor(l_bound);
   if (!isfinite(fx[0])) fx[1] = fx[2] = __int_as_float(0x7fc00000);
 }
@@ -1004,7 +1019,11 @@ void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
   const CUtensorMap q_map = make_bf16_head_map(p.q, p.T, p.H, kD, M);
   const CUtensorMap k_map = make_bf16_row_map(p.k, p.T, p.Hkv, kD, kBlk);
   const CUtensorMap v_map = make_bf16_row_map(p.v, p.T, p.Hkv, kD, kBlk);
-  FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kvw_fwd_kernel<M, DET>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  constexpr Form kFirst = DET ? Form::det_sum : Form::fast;
+  FLASHMSA_CUDA_CHECK(cudaFuncSetAttribute(kvw_fwd_kernel<M, kFirst>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  if constexpr (DET)
+    FLASHMSA_CUDA_CHECK(
+        cudaFuncSetAttribute(kvw_fwd_kernel<M, Form::det_out>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   const int sms = sm_count(device);
   const float scale_log2 = p.scale * kLog2e;
   const int r = p.H / p.Hkv;
@@ -1029,9 +1048,10 @@ void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
       FLASHMSA_CHECK_LAUNCH();
       fx = f + 1;
     }
-    int32_t* n_items = ws.at<int32_t>(pl.o_counts);     // [Hp, chunks]
-    int32_t* counters = n_items + p.Hp * pl.n_chunks;   // [Hp, chunks]
-    FLASHMSA_CUDA_CHECK(cudaMemsetAsync(counters, 0, sizeof(int32_t) * p.Hp * pl.n_chunks, stream));
+    const int slots = p.Hp * pl.n_chunks;
+    int32_t* n_items = ws.at<int32_t>(pl.o_counts);  // [Hp, chunks]
+    int32_t* counters = n_items + slots;             // [1 or 2 launches][Hp, chunks]
+    FLASHMSA_CUDA_CHECK(cudaMemsetAsync(counters, 0, sizeof(int32_t) * slots * (DET ? 2 : 1), stream));
     int4* items = ws.at<int4>(pl.o_items);
     for (int cb = 0; cb < pl.n_chunks; cb += kPlanBatch) {
       PlanBatch pb;
@@ -1092,11 +1112,22 @@ void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
           finprep(L, L.c_prev, L.g_prev, c, g);
           const int slot = g * pl.n_chunks + c;
           const unsigned grid = static_cast<unsigned>(std::min<int64_t>(pl.bound[c], sms));
-          kvw_fwd_kernel<M, DET><<<grid, kThreads, kSmem, L.st>>>(
-              q_map, k_map, v_map, items + g * pl.items_per_group + pl.off[c], n_items + slot, counters + slot,
-              ws.at<int32_t>(pl.sel.o_vals_out), L.mref, L.acc_o, L.acc_l, overflow, p.top_k, pl.c0[c], g * M,
-              g * M / r, scale_log2, fx);
+          const int4* its = items + g * pl.items_per_group + pl.off[c];
+          const int32_t* vals = ws.at<int32_t>(pl.sel.o_vals_out);
+          kvw_fwd_kernel<M, kFirst><<<grid, kThreads, kSmem, L.st>>>(
+              q_map, k_map, v_map, its, n_items + slot, counters + slot, vals, L.mref, L.acc_o, L.acc_l, overflow,
+              p.top_k, pl.c0[c], g * M, g * M / r, scale_log2, fx);
           FLASHMSA_CHECK_LAUNCH();
+          if constexpr (DET) {
+            const int n = pl.c1[c] - pl.c0[c];
+            kvw_det_mid_kernel<M><<<grid_for(static_cast<int64_t>(n) * M, 256), 256, 0, L.st>>>(
+                pl.c0[c], n, g * M, p.T, L.mref, reinterpret_cast<const long long*>(L.acc_l), p.lse, overflow, fx);
+            FLASHMSA_CHECK_LAUNCH();
+            kvw_fwd_kernel<M, Form::det_out><<<grid, kThreads, kSmem, L.st>>>(
+                q_map, k_map, v_map, its, n_items + slot, counters + slots + slot, vals, L.mref, L.acc_o, L.acc_l,
+                overflow, p.top_k, pl.c0[c], g * M, g * M / r, scale_log2, fx);
+            FLASHMSA_CHECK_LAUNCH();
+          }
           L.c_prev = c;
           L.g_prev = g;
         }

@@ -12,7 +12,7 @@ namespace flashmsa::cuda {
 
 // True only where launch_kv_wgmma_forward takes the problem: D = Dv = 128, bf16, block 128,
 // m = H/Hp in {4, 8, 16} with each group inside one kv head (deterministic mode: 8 or 16, its
-// int64 form, unless FLASHMSA_DET_FWD=query), top_k <= 32, T > 0, Hp*T*K < 2^31 and its
+// two-pass fixed-point form, unless FLASHMSA_DET_FWD=query), top_k <= 32, T > 0, Hp*T*K < 2^31 and its
 // workspace <= max(T*H*D bytes (half the size of q), 64 MiB).
 bool kv_wgmma_forward_applies(const MsaParams& p);
 
