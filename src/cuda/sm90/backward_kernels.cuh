@@ -21,19 +21,13 @@ namespace flashmsa::cuda::bwd {
 // Student log-sum-exp pieces: for each selected (p, t, slot) the max and the sum of exp over the
 // block's visible keys of s = scale_p <qp[t,p], kp[j,pk]>. 4 warps, warp w owns tokens
 // 16w..16w+15 of the tile, all 128 keys (rows = tokens here, so the reduction is within quads).
+// One piece [bc.begin, bc.end) of the list of (proxy head p, key block): Kp, then its token tiles.
 template <int D>
-__global__ void __launch_bounds__(128) proxy_lse_kernel(
-    const bf16* __restrict__ qp,  // [T, Hp, D]
-    const bf16* __restrict__ kp,  // [T, Hpk, D]
-    Index ix, int Hp, int Hpk, float scale_p,
-    float* __restrict__ part_max,   // [Hp, T, K]
-    float* __restrict__ part_sum) { // [Hp, T, K]
+__device__ __forceinline__ void proxy_lse_piece(const bf16* __restrict__ qp, const bf16* __restrict__ kp,
+                                                const Index& ix, const BlockCtx& bc, int p, int pk, int Hp,
+                                                int Hpk, float scale_p, unsigned char* smem,
+                                                float* __restrict__ part_max, float* __restrict__ part_sum) {
   constexpr int RB = D * 2;
-  extern __shared__ __align__(128) unsigned char smem[];
-  const int g = blockIdx.x / Hp, p = blockIdx.x % Hp;
-  const BlockCtx bc = block_ctx(ix, p, g);
-  if (bc.begin == bc.end) return;
-  const int pk = p / (Hp / Hpk);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g4 = lane >> 2, c4 = lane & 3;
   unsigned char* sKp = smem;                         // [128][D]
   unsigned char* sQp = sKp + kBlk * RB;              // [2][64][D]: double buffer of token tiles
@@ -116,6 +110,43 @@ __global__ void __launch_bounds__(128) proxy_lse_kernel(
       }
     }
     __syncthreads();  // the next iteration refills this buffer
+  }
+}
+
+// CTA c takes the entries [c range, (c + 1) range) of the lists laid end to end (Index::vals): a
+// piece of one list or pieces of a few, instead of one whole list per CTA. A key block's list holds
+// every token that selected it, so early blocks have several times the mean (~6000 tokens against
+// ~1900 at fm16k): with one CTA per list the launch waited for them.
+template <int D>
+__global__ void __launch_bounds__(128) proxy_lse_kernel(
+    const bf16* __restrict__ qp,  // [T, Hp, D]
+    const bf16* __restrict__ kp,  // [T, Hpk, D]
+    Index ix, int Hp, int Hpk, float scale_p,
+    int range,                      // entries per CTA
+    float* __restrict__ part_max,   // [Hp, T, K]
+    float* __restrict__ part_sum) { // [Hp, T, K]
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int nlists = Hp * ix.NB;
+  const int total = ix.seg_start[nlists];
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * range;
+  if (first >= total) return;
+  const int r0 = static_cast<int>(first), r1 = r0 + min(range, total - r0);
+  // The list holding entry r0: the last one with seg_start <= r0 (seg_start[0] = 0 <= r0 <
+  // seg_start[nlists] = total).
+  int list = 0;
+  for (int hi = nlists; hi - list > 1;) {
+    const int mid = (list + hi) / 2;
+    if (ix.seg_start[mid] <= r0) list = mid;
+    else hi = mid;
+  }
+  for (int a = r0; a < r1; a = ix.seg_start[++list]) {
+    const int p = list / ix.NB;
+    BlockCtx bc = block_ctx(ix, p, list % ix.NB);
+    if (bc.end == a) continue;  // an empty list
+    bc.begin = a;
+    bc.end = min(bc.end, r1);
+    // Every thread passed the previous piece's last barrier: its Kp and tiles are no longer read.
+    proxy_lse_piece<D>(qp, kp, ix, bc, p, p / (Hp / Hpk), Hp, Hpk, scale_p, smem, part_max, part_sum);
   }
 }
 

@@ -289,9 +289,15 @@ void launch_student_lse(const MsaParams& p, cudaStream_t stream, const bwd::Inde
   const int64_t nrow = static_cast<int64_t>(p.Hp) * p.T;
   const int lse_smem = (kBlk + 2 * bwd::kTileTok) * D * 2 + 2 * bwd::kTileTok * 4;  // Kp, 2 x (Qp, entries)
   set_smem(bwd::proxy_lse_kernel<D>, lse_smem);
-  bwd::proxy_lse_kernel<D><<<static_cast<unsigned>(ix.NB) * p.Hp, 128, lse_smem, stream>>>(
-      static_cast<const bf16*>(p.qp), static_cast<const bf16*>(p.kp), ix, p.Hp, p.Hpk, p.proxy_scale, part_max,
-      part_sum);
+  // Equal pieces of the lists laid end to end, about four per resident CTA: the pieces end
+  // together, and each is long enough that its Kp load and list search stay small next to its
+  // tiles (at least 8 tiles). `entries` bounds the lists' total (padding is left out of them).
+  const int64_t entries = static_cast<int64_t>(p.Hp) * p.T * p.top_k;
+  const int64_t slots = 4 * static_cast<int64_t>(resident_ctas(bwd::proxy_lse_kernel<D>, 128, lse_smem));
+  const int range = static_cast<int>(std::max<int64_t>(8 * bwd::kTileTok, (entries + slots - 1) / slots));
+  bwd::proxy_lse_kernel<D><<<static_cast<unsigned>((entries + range - 1) / range), 128, lse_smem, stream>>>(
+      static_cast<const bf16*>(p.qp), static_cast<const bf16*>(p.kp), ix, p.Hp, p.Hpk, p.proxy_scale, range,
+      part_max, part_sum);
   FLASHMSA_CHECK_LAUNCH();
   merge_student_lse_kernel<<<grid_for(nrow, 256, INT_MAX), 256, 0, stream>>>(
       p.block_idx, p.cu_seqlens, p.B, p.T, p.top_k, nrow, part_max, part_sum, lse_s);
