@@ -501,8 +501,10 @@ TEST(CudaBackward, DeterministicWgmmaSharedKv) {
 }
 
 // The forward's KL value on a G = 2 shape: kl_value_applies now holds, so the forward computes it
-// with the KV-major KL_ONLY kernel (its K loads from kv head p / G); FLASHMSA_BACKWARD_PATH=mma
-// keeps the forward's own KL pass. Both against the CPU's kl, with the same bits fingerprint.
+// with the KV-major KL_ONLY kernel (its K loads from kv head p / G; FLASHMSA_BACKWARD_PATH=wgmma
+// makes any other route an error); FLASHMSA_BACKWARD_PATH=mma keeps the forward's own KL pass.
+// Both against the CPU's kl. (Their bits are no fingerprint of the route: both are accurate
+// enough to round to the same float.)
 void check_kl_value_shared_kv(const Shape& shp, uint64_t seed) {
   Setup st;
   make_setup(st, shp, seed, false, 1.f);
@@ -530,11 +532,11 @@ void check_kl_value_shared_kv(const Shape& shp, uint64_t seed) {
     return kl.download<float>()[0];
   };
   // The query-major forward: its lse (which the KL value reads) is bitwise reproducible; the
-  // wgmma forward's is not, and kl's bits are this test's fingerprint of the KL route.
+  // wgmma forward's is not.
   gputest::ScopedEnv forward_path("FLASHMSA_FORWARD_PATH", "query");
   float kv = 0, kv_again = 0, old = 0;
   {
-    ScopedBackwardPath path(nullptr);
+    ScopedBackwardPath path("wgmma");
     kv = gpu_kl();
     kv_again = gpu_kl();
   }
@@ -548,8 +550,7 @@ void check_kl_value_shared_kv(const Shape& shp, uint64_t seed) {
     ASSERT_TRUE(std::isfinite(x));
     EXPECT_LT(std::fabs(x - cpu_kl), 1e-3 * std::fabs(cpu_kl) + 1e-7) << "gpu kl " << x << " cpu " << cpu_kl;
   }
-  EXPECT_EQ(float_bits(kv), float_bits(kv_again)) << "kl not reproducible, no fingerprint";
-  EXPECT_NE(float_bits(kv), float_bits(old)) << "kl has the old route's bits: the KV-major KL value did not run";
+  EXPECT_EQ(float_bits(kv), float_bits(kv_again)) << "KV-major kl not reproducible";
   std::printf("    kl KV-major %.7f, old route %.7f, cpu %.7f\n", kv, old, cpu_kl);
 }
 
@@ -713,6 +714,29 @@ TEST(CudaBackward, DeterministicNonFiniteInput) {
 TEST(CudaBackward, KlValueSharedKvHead) {
   GPUTEST_REQUIRE_DEVICE();
   check_kl_value_shared_kv(shape(16, 2, 4, 1, 128, 16, {0, 2200, 1, 333}), 34);
+}
+
+// FLASHMSA_BACKWARD_PATH=wgmma: a KL value the KV-major kernel does not take (D = 64) is an error,
+// not another route.
+void expect_kl_route_error(const Shape& shp) {
+  Setup st;
+  make_setup(st, shp, 35, false, 1.f);
+  const Shape& s = st.pr.s;
+  const int64_t T = st.pr.T;
+  DeviceBuffer sel(st.sel.size() * 4), o(static_cast<size_t>(T * s.H * s.D) * 2),
+      lse(static_cast<size_t>(s.H * T) * 4), kl(4);
+  sel.upload(st.sel);
+  ScopedBackwardPath path("wgmma");
+  EXPECT_THROW(flashmsa::sparse_attention_forward(
+                   st.pr.device_inputs(), gputest::dview(sel, DType::int32, {s.Hp, T, s.K}), st.opt,
+                   gputest::dview(o, DType::bf16, {T, s.H, s.D}), gputest::dview(lse, DType::fp32, {s.H, T}),
+                   gputest::dview(kl, DType::fp32, {1})),
+               flashmsa::Error);
+}
+
+TEST(CudaBackward, KlValueRouteError) {
+  GPUTEST_REQUIRE_DEVICE();
+  expect_kl_route_error(shape(8, 2, 2, 1, 64, 4, {300}));
 }
 
 TEST(CudaBackward, EmptyBatchWritesZeroKl) {

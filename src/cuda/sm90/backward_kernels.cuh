@@ -21,6 +21,31 @@ namespace flashmsa::cuda::bwd {
 // Student log-sum-exp pieces: for each selected (p, t, slot) the max and the sum of exp over the
 // block's visible keys of s = scale_p <qp[t,p], kp[j,pk]>. 4 warps, warp w owns tokens
 // 16w..16w+15 of the tile, all 128 keys (rows = tokens here, so the reduction is within quads).
+// Max and sum of exp of a quad's row (half 0: fragment rows g, half 1: g + 8) of scale_p s over
+// 128 keys; with MASKED only the keys 8 nt + e <= last (the quad lane's own columns: key - key0 -
+// 2 c4). The max is taken on the raw scores (scale_p > 0) and folded into one FFMA per exp.
+template <bool MASKED>
+__device__ __forceinline__ float2 row_max_sum(const float (&s)[16][4], int half, int last, float scale_p) {
+  float mx = -INFINITY;
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+      if (!MASKED || 8 * nt + e <= last) mx = fmaxf(mx, s[nt][2 * half + e]);
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float c = scale_p * kLog2e, base = mx * c;
+  float sum = 0.f;
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+      if (!MASKED || 8 * nt + e <= last) sum += fast_exp2(fmaf(s[nt][2 * half + e], c, -base));
+  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+  return make_float2(mx * scale_p, sum);
+}
+
 // One piece [bc.begin, bc.end) of the list of (proxy head p, key block): Kp, then its token tiles.
 template <int D>
 __device__ __forceinline__ void proxy_lse_piece(const bf16* __restrict__ qp, const bf16* __restrict__ kp,
@@ -78,35 +103,22 @@ __device__ __forceinline__ void proxy_lse_piece(const bf16* __restrict__ qp, con
         mma_bf16_16816(s[2 * j + 1], a, b[2], b[3]);
       }
     }
+    // The list ascends in t, so when the tile's first token lies past the block's last key every
+    // row sees all 128 keys (padding rows are never stored): only a list's first tiles, the
+    // block's own tokens, take the causal mask.
+    const int t0 = vals[0] >= 0 ? static_cast<int>(vals[0] / ix.K - bc.seq_start) : -1;
+    const bool all_visible = t0 >= bc.key0 + kBlk - 1;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = 16 * warp + g4 + 8 * half;
       const int v = vals[row];
       const int tpos = v >= 0 ? static_cast<int>(v / ix.K - bc.seq_start) : -1;
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nt = 0; nt < 16; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int key = bc.key0 + 8 * nt + 2 * c4 + e;
-          if (key <= tpos) mx = fmaxf(mx, s[nt][2 * half + e] * scale_p);
-        }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < 16; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int key = bc.key0 + 8 * nt + 2 * c4 + e;
-          if (key <= tpos) sum += __expf(s[nt][2 * half + e] * scale_p - mx);
-        }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float2 ms = all_visible ? row_max_sum<false>(s, half, 0, scale_p)
+                                    : row_max_sum<true>(s, half, tpos - bc.key0 - 2 * c4, scale_p);
       if (c4 == 0 && v >= 0) {
         const int64_t at = static_cast<int64_t>(p) * TK + v;  // (p, t, slot)
-        part_max[at] = mx;
-        part_sum[at] = sum;
+        part_max[at] = ms.x;
+        part_sum[at] = ms.y;
       }
     }
     __syncthreads();  // the next iteration refills this buffer

@@ -179,13 +179,6 @@ static_assert(oBar % 8 == 0 && oStgL % 16 == 0 && oList % 16 == 0 && oStgL64 % 1
 
 constexpr int kBarStg = 1;  // + consumer warpgroup index: its staging tile's two barriers
 
-// 2^x on the SFU (-inf -> +0); results below 2^-126 flush to 0, invisible next to l >= 1.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // S (64 rows x 128 keys) = Q tile (K-major, 8 KB slabs) x K block^T (K-major, 16 KB slabs).
 __device__ __forceinline__ void issue_qk(float (&s)[64], uint32_t q_tile, uint32_t k_tile) {
 #pragma unroll

@@ -236,10 +236,6 @@ bool det_dq_env(const char* value) {
   const char* v = std::getenv("FLASHMSA_DET_DQ");
   return v != nullptr && std::strcmp(v, value) == 0;
 }
-bool backward_path_requires_wgmma() {
-  const char* path = std::getenv("FLASHMSA_BACKWARD_PATH");
-  return path != nullptr && std::strcmp(path, "wgmma") == 0;
-}
 
 // kl_coeff / (Hp*T): the KL value's factor on its sum of terms, and dS_proxy's before g.
 float kl_c_base(const MsaParams& p) {
@@ -428,6 +424,11 @@ KlValuePlan plan_kl_value(const MsaParams& p, cudaStream_t stream) {
 }
 
 }  // namespace
+
+bool backward_path_requires_wgmma() {
+  const char* path = std::getenv("FLASHMSA_BACKWARD_PATH");
+  return path != nullptr && std::strcmp(path, "wgmma") == 0;
+}
 
 bool wgmma_kv_applies(const MsaParams& p) {
   // Groups of m = H/Hp >= 2 heads, whole groups per kv head: (H/Hkv) % m == 0, i.e. G = Hp/Hkv

@@ -21,6 +21,10 @@ bool wgmma_kv_applies(const MsaParams& p);
 // check_supported's). Launches nothing.
 bool kl_value_applies(const MsaParams& p);
 
+// FLASHMSA_BACKWARD_PATH=wgmma: the backward and the forward's KL value must take the wgmma kernels
+// (an error where they do not; tests). Read per call.
+bool backward_path_requires_wgmma();
+
 // kl_loss into p.kl from q, k, qp, kp, block_idx and the forward's lse; p.T > 0 and
 // wgmma_kv_applies(p) must hold (the sparse forward also asks kl_value_applies; the dense
 // warm-up takes the larger workspace of its all-blocks index, as its backward does). Workspace allocated and freed on `stream`.

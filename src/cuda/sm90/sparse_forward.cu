@@ -666,7 +666,16 @@ void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
     throw Error("flashmsa: sparse_attention_forward: FLASHMSA_FORWARD_PATH=wgmma, but the wgmma KV-major "
                 "forward does not take this problem (argument 'q': D = Dv = 128, groups of 4, 8 or 16 heads "
                 "inside one kv head, top_k <= 32; deterministic only with groups of 8 or 16)");
+  // FLASHMSA_BACKWARD_PATH=wgmma (tests): an error unless the KL value, if asked for, comes from
+  // the wgmma backward's KV-major kernel (launch_kl_value below).
+  const bool kl_kv_required = p.kl != nullptr && p.T > 0 && backward_path_requires_wgmma();
+  auto kl_route_error = [] {
+    return Error("flashmsa: sparse_attention_forward: FLASHMSA_BACKWARD_PATH=wgmma, but the KV-major KL value "
+                 "does not take this problem (argument 'q': D = Dv = Dp = 128, whole proxy groups of >= 2 heads "
+                 "inside one kv head, top_k <= 32)");
+  };
   if (!use_wgmma && p.T > 0 && !force_query && kv_forward_applies(p) && (force_kv || p.H / p.Hp < 16)) {
+    if (kl_kv_required) throw kl_route_error();  // that kernel forms the KL value itself
     launch_kv_forward(p, stream);
     return;
   }
@@ -702,6 +711,7 @@ void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
   // rather than by this kernel's second pass, which re-streams K and kp per (token, group):
   // ~28 ms of the 56 ms at m3/64k. FLASHMSA_BACKWARD_PATH=mma keeps the pass here.
   const bool kl_kv = p.kl != nullptr && kl_value_applies(p);
+  if (kl_kv_required && !kl_kv) throw kl_route_error();
   const bool with_kl = p.kl != nullptr && !kl_kv;  // this file's KL passes
   a.fuse_kl = with_kl && items.n == p.Hp && !use_wgmma;
   const StreamAllocation<float> kl_rows(with_kl ? p.T * p.Hp : 0, stream);  // [Hp, T]
