@@ -664,14 +664,15 @@ TEST(CudaForward, WgmmaKvOverflowRowsRecomputed) {
   GPUTEST_REQUIRE_DEVICE();
   check_overflow_recomputed(shape(32, 2, 2, 1, 128, 8, {1900, 700}), 148);  // m = 16
   check_overflow_recomputed(shape(16, 2, 4, 1, 128, 8, {1900, 700}), 153);  // m = 4
-  // The deterministic (fixed-point, two-pass) form flags rows 2^20 above the reference: the same inputs.
+  // The deterministic (two-pass fixed-point) form flags rows 2^20 above the reference: same inputs.
   check_overflow_recomputed(shape(32, 2, 2, 1, 128, 8, {1900, 700}), 148, /*det=*/true);
 }
 
 // Deterministic mode on the wgmma KV-major forward (two passes: int64 row sums, then int32 o of
-// the normalised probabilities; groups of 8 or 16 heads): against the CPU backend and the fast (fp32) form, bitwise identical over reruns
-// (also with small chunks and one or three streams, whose order of reduce-adds differs), and
-// FLASHMSA_DET_FWD=query (the query-major kernel) within the tolerances.
+// the normalised probabilities; groups of 8 or 16 heads): against the CPU backend and the fast
+// (fp32) form, bitwise identical over reruns (also with small chunks and one or three streams,
+// whose order of reduce-adds differs), and FLASHMSA_DET_FWD=query (the query-major kernel) within
+// the tolerances.
 void check_deterministic_wgmma_forward(const Shape& s, uint64_t seed) {
   Problem pr;
   gputest::make_problem(pr, s, seed);
