@@ -478,10 +478,10 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
         ::cuda::ptx::mbarrier_arrive(k_full);  // release: this lane's list entries
       }
       const int ntiles = (ntok + kTok - 1) / kTok;
-      // Warp-wide: lane j issues token j's two boxes (kTok <= 16 tokens per tile), so a tile of
-      // 16 tokens (m = 4) is not 32 serial TMA issues on one lane. Lane 0's expect_tx and arrival
-      // come first; a box landing before them could not complete the phase anyway (its arrival
-      // is still pending; the tx-count may go negative in between).
+      // Warp-wide: lane j issues token j's two boxes (kTok = 64 / M <= 16 tokens per tile), so a
+      // tile of 16 tokens (m = 4) is not 32 serial TMA issues on one lane. The __syncwarp puts
+      // lane 0's expect_tx and arrival before every box (the phase could not complete early even
+      // without it: lane 0's arrival is the one the barrier waits for).
       auto issue_q = [&](int i) {
         const int tg = tile_g + i, st = tg % kStages;
         uint64_t* const fb = full + tg % kFullBars;
