@@ -36,8 +36,9 @@
 // (block 0, the recent blocks) is spread over several CTAs instead of serialising one, and blocks
 // no token of the chunk selected cost nothing.
 //
-// Main kernel (384 threads): warpgroup 0's first warp is the producer (one lane issues TMA), the
-// other two warpgroups are consumers that take alternate 64-row tiles of an item.
+// Main kernel (384 threads): warpgroup 0's first warp is the producer (K and V issued by one lane,
+// a Q tile's boxes by one lane per token), the other two warpgroups are consumers that take
+// alternate 64-row tiles of an item.
 //   producer: per item, the entries' tokens into a double-buffered shared list (loaded before the
 //     previous item is released, so its latency is hidden), then K of the block (TMA, 128 rows
 //     past T read as zeros) once every consumer is past its last S of the previous item, the
@@ -400,6 +401,7 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
     int K, int c0, int head0, int kvh, float scale_log2,
     const float* __restrict__ fx) {             // deterministic form: [2] fixed-point factors of acc_o, acc_l
   constexpr int kTok = kRows / M;  // tokens per tile
+  static_assert(kTok <= 32, "the producer issues a tile's Q boxes one token per lane");
   static_assert(kRows % M == 0 && M % 4 == 0 && kMaxTiles * kTok <= kMaxItemTok, "group size");
   static_assert(F == Form::fast || M % 8 == 0, "the deterministic form is built for groups of 8 or 16 heads only");
   constexpr bool kWithV = F != Form::det_sum;  // det_sum: S and row sums only
@@ -476,35 +478,40 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
         ::cuda::ptx::mbarrier_arrive(k_full);  // release: this lane's list entries
       }
       const int ntiles = (ntok + kTok - 1) / kTok;
+      // Warp-wide: lane j issues token j's two boxes (kTok = 64 / M <= 16 tokens per tile), so a
+      // tile of 16 tokens (m = 4) is not 32 serial TMA issues on one lane. The __syncwarp puts
+      // lane 0's expect_tx and arrival before every box (the phase could not complete early even
+      // without it: lane 0's arrival is the one the barrier waits for).
       auto issue_q = [&](int i) {
         const int tg = tile_g + i, st = tg % kStages;
         uint64_t* const fb = full + tg % kFullBars;
         if (tg >= kStages) mbarrier_wait(empty + st, ((tg / kStages) - 1) & 1);
         const int n = min(kTok, ntok - i * kTok);
-        ::cuda::ptx::mbarrier_arrive_expect_tx(::cuda::ptx::sem_release, ::cuda::ptx::scope_cta,
-                                               ::cuda::ptx::space_shared, fb, n * M * kD * 2);
-        unsigned char* dst = sQ + st * kQTile;
-        for (int j = 0; j < n; ++j) {
-          const int t = list[i * kTok + j];
-          tma_load_3d(dst + j * M * 128, &q_map, 0, head0, t, fb);
-          tma_load_3d(dst + kQSlab + j * M * 128, &q_map, 64, head0, t, fb);
+        if (lane == 0)
+          ::cuda::ptx::mbarrier_arrive_expect_tx(::cuda::ptx::sem_release, ::cuda::ptx::scope_cta,
+                                                 ::cuda::ptx::space_shared, fb, n * M * kD * 2);
+        __syncwarp();
+        if (lane < n) {
+          unsigned char* dst = sQ + st * kQTile + lane * M * 128;
+          const int t = list[i * kTok + lane];
+          tma_load_3d(dst, &q_map, 0, head0, t, fb);
+          tma_load_3d(dst + kQSlab, &q_map, 64, head0, t, fb);
         }
       };
       // Each warpgroup's first tile before V: their stages are freed by S products of earlier
       // items, which need nothing issued below. Not more: a warpgroup's later tiles wait for
       // stages it frees only after its first PV, which needs V.
       const int early = min(ntiles, 2);
-      if (lane == 0)
-        for (int i = 0; i < early; ++i) issue_q(i);
+      for (int i = 0; i < early; ++i) issue_q(i);
       if (kWithV && it > 0) mbarrier_wait(v_empty, (it - 1) & 1);  // V of item it - 1 is free
-      if (lane == 0) {
-        if constexpr (kWithV) {
+      if constexpr (kWithV) {
+        if (lane == 0) {
           ::cuda::ptx::mbarrier_arrive_expect_tx(::cuda::ptx::sem_release, ::cuda::ptx::scope_cta,
                                                  ::cuda::ptx::space_shared, v_full, kKTile);
           for (int slab = 0; slab < 2; ++slab) tma_load_3d(sV + slab * kKSlab, &v_map, slab * 64, kvh, krow, v_full);
         }
-        for (int i = early; i < ntiles; ++i) issue_q(i);
       }
+      for (int i = early; i < ntiles; ++i) issue_q(i);
       tile_g += ntiles;
       item = next;
     }
