@@ -49,9 +49,10 @@
 //     where a row's token lies in the block (the own block: the only partially visible block; it
 //     also hides keys past the sequence end), P = 2^(S scale log2e - mref), overflow check, row
 //     sums (quad shuffles), O = P V (RS, V MN-major), then O and l into the warpgroup's fp32
-//     staging tile and, per token, ONE bulk reduce-add of its m rows (m * 512 bytes) and one of its
-//     m sums (m * 4 bytes) into the chunk accumulator (cp.reduce.async.bulk .add.f32), issued by
-//     the thread that holds the token's first row. Software-pipelined inside the warpgroup (within
+//     staging tile and, per token, ONE bulk reduce-add of its m rows (m * 512 bytes) into the
+//     chunk accumulator (cp.reduce.async.bulk .add.f32), issued by the thread that holds the
+//     token's first row; the row sums go as red.f32 from registers (bulk ops of m * 4 bytes were a
+//     quarter of the TMA unit's operations per tile and cost ~2% of the forward). Software-pipelined inside the warpgroup (within
 //     an item): its next tile's S goes out right behind this tile's PV, so S(next) runs on the
 //     tensor core during this tile's PV wait, staging and reduce-add issue. The staging
 //     rows store 8-float chunk j at position j ^ (row & 3) so the accumulator-layout stores hit 4
@@ -157,8 +158,7 @@ constexpr int oK = 0;
 constexpr int oV = oK + kKTile;
 constexpr int oQ = oV + kKTile;
 constexpr int oStg = oQ + kStages * kQTile;
-constexpr int oStgL = oStg + 2 * kStgBytes;     // [2][64] fp32 row sums
-constexpr int oList = oStgL + 2 * kRows * 4;    // [2][kMaxItemTok] int32 tokens
+constexpr int oList = oStg + 2 * kStgBytes;     // [2][kMaxItemTok] int32 tokens
 constexpr int oInfo = oList + 2 * kMaxItemTok * 4;  // [2] int2 {first key row, tokens}
 // Q stage "full" barriers: one per (stage, consumer warpgroup), tile tg on full[tg % kFullBars] with
 // parity (tg / kFullBars) & 1. A parity wait tells apart only the current phase and the one before
@@ -175,7 +175,7 @@ constexpr int oStgL64 = (oBar + (kFullBars + kStages + 4) * 8 + 15) / 16 * 16;
 constexpr int kSmemBytes = oStgL64 + 2 * kRows * 8;
 constexpr int kSmem = kSmemBytes + 1024;        // + alignment slack of the dynamic base
 static_assert(kSmem <= 227 * 1024, "forward_kv_wgmma: shared memory over the sm_90 limit");
-static_assert(oBar % 8 == 0 && oStgL % 16 == 0 && oList % 16 == 0 && oStgL64 % 16 == 0,
+static_assert(oBar % 8 == 0 && oList % 16 == 0 && oStgL64 % 16 == 0,
               "alignment of the small buffers");
 
 constexpr int kBarStg = 1;  // + consumer warpgroup index: its staging tile's two barriers
