@@ -14,12 +14,9 @@
 
 namespace flashmsa::cuda {
 
-// A [rows, heads, cols] bf16 tensor (cols contiguous, row stride heads * cols) seen by TMA as a
-// 3-d map with a box of 64 columns x box_heads heads x box_rows rows, written to shared memory
-// with the 128-byte swizzle that wgmma_desc_sw128 describes. Rows past `rows` read as zeros.
-inline CUtensorMap make_bf16_map(const void* base, int64_t rows, int heads, int cols, int box_heads,
-                                 int box_rows) {
-  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+// The driver's cuTensorMapEncodeTiled, looked up once.
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult status{};
     FLASHMSA_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
@@ -28,6 +25,15 @@ inline CUtensorMap make_bf16_map(const void* base, int64_t rows, int heads, int 
       throw Error("flashmsa: the CUDA driver does not provide cuTensorMapEncodeTiled");
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }();
+  return encode;
+}
+
+// A [rows, heads, cols] bf16 tensor (cols contiguous, row stride heads * cols) seen by TMA as a
+// 3-d map with a box of 64 columns x box_heads heads x box_rows rows, written to shared memory
+// with the 128-byte swizzle that wgmma_desc_sw128 describes. Rows past `rows` read as zeros.
+inline CUtensorMap make_bf16_map(const void* base, int64_t rows, int heads, int cols, int box_heads,
+                                 int box_rows) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   CUtensorMap map{};
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(heads),
                               static_cast<cuuint64_t>(rows)};
@@ -49,14 +55,33 @@ inline CUtensorMap make_bf16_row_map(const void* base, int64_t rows, int heads, 
   return make_bf16_map(base, rows, heads, cols, 1, box_rows);
 }
 
-// Box of 64 columns x box_heads heads x 1 row: the box_heads consecutive heads of ONE row land as
-// box_heads consecutive 128-byte rows of a 64-column slab (the KV-major forward gathers the m
-// heads of a proxy group, token by token, into the rows of one MMA tile). TMA applies the swizzle
-// to the final shared-memory address (address bits 7-9 XOR bits 4-6), so a box written at row
-// offset j * box_heads of a 1024-aligned slab keeps the pattern of the whole slab even when
-// box_heads < 8 (checked on the H200 by the m = 4 forward tests).
-inline CUtensorMap make_bf16_head_map(const void* base, int64_t rows, int heads, int cols, int box_heads) {
-  return make_bf16_map(base, rows, heads, cols, box_heads, 1);
+// The rows of q [T, H, 128] as a 5-D map {64 columns, R heads, 2 slabs, H / R head groups, T}
+// (strides 256, 128, R * 256, H * 256 bytes: the slab dimension is the inner one in memory but
+// the outer one in the box), box {64, R, box_slabs, box_groups, 1}. A box lands as [group][slab]
+// [R rows][128 B]: for R = 8 both 64-column halves of 8 rows of a token in one box, in the
+// [8-row group][slab] tile layout (wgmma SBO 2048) of the KV-major forward.
+inline CUtensorMap make_bf16_head_group_map(const void* base, int64_t rows, int heads, int R, int box_slabs,
+                                            int box_groups) {
+  CUtensorMap map{};
+  const cuuint64_t dims[5] = {64, static_cast<cuuint64_t>(R), 2, static_cast<cuuint64_t>(heads / R),
+                              static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[4] = {256, 128, static_cast<cuuint64_t>(R) * 256, static_cast<cuuint64_t>(heads) * 256};
+  const cuuint32_t box[5] = {64, static_cast<cuuint32_t>(R), static_cast<cuuint32_t>(box_slabs),
+                             static_cast<cuuint32_t>(box_groups), 1};
+  const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
+  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 5, const_cast<void*>(base), dims,
+                                          strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw Error("flashmsa: cuTensorMapEncodeTiled (head groups) failed with CUresult " + std::to_string(r));
+  return map;
+}
+
+__device__ __forceinline__ void tma_load_5d(void* dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
+                                            int c4, uint64_t* bar) {
+  const int32_t coords[5] = {c0, c1, c2, c3, c4};
+  ::cuda::ptx::cp_async_bulk_tensor(::cuda::ptx::space_cluster, ::cuda::ptx::space_global, dst, map, coords, bar);
 }
 
 // Loads the box at (col, head, row) into `dst`, completing `bytes` on the mbarrier `bar`.

@@ -51,12 +51,13 @@ __host__ __device__ __forceinline__ uint32_t sw128_offset(int row, int col, int 
 // (16 columns), addr = tile + (ks / 4) * R * 128 + (ks % 4) * 32 (+ r0 * 128 for a sub-block of
 // rows starting at a multiple of 8). The 16 K elements of a row lie inside one 128-byte row, so
 // the leading offset is unused (the ISA says "assumed 1"); SBO = 1024 bytes is the distance
-// between consecutive 8-row groups along M/N.
-__device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t addr) {
+// between consecutive 8-row groups along M/N (larger when the groups of the two 64-column slabs
+// are interleaved: [group][slab][8 rows], sbo = 2048).
+__device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t addr, uint32_t sbo = 1024) {
   uint64_t d = 0;
   d |= static_cast<uint64_t>((addr & 0x3FFFF) >> 4);
   d |= static_cast<uint64_t>(1) << 16;            // leading byte offset (ignored), 16 B units
-  d |= static_cast<uint64_t>(1024 >> 4) << 32;    // stride byte offset, 16 B units
+  d |= static_cast<uint64_t>(sbo >> 4) << 32;     // stride byte offset, 16 B units
   d |= static_cast<uint64_t>(1) << 62;            // layout: 128-byte swizzle
   return d;
 }

@@ -151,8 +151,10 @@ enum class Form { fast, det_sum, det_out };
 // Shared-memory plan (byte offsets from the 1024-aligned base).
 constexpr int kKSlab = kBlk * 128;              // one 64-column slab of K or V
 constexpr int kKTile = 2 * kKSlab;              // [128 keys][128] bf16
-constexpr int kQSlab = kRows * 128;
-constexpr int kQTile = 2 * kQSlab;              // [64 rows][128] bf16
+// Q tile [8 groups of 8 rows][2 slabs][8 rows][128 B]: both 64-column halves of a token's rows
+// arrive in one TMA box (m >= 8); wgmma steps over the 8-row groups by kQGroup (its SBO).
+constexpr int kQGroup = 2 * 8 * 128;
+constexpr int kQTile = kRows / 8 * kQGroup;     // [64 rows][128] bf16
 constexpr int kStgBytes = kRows * kD * 4;       // [64 rows][128] fp32 per consumer warpgroup
 constexpr int oK = 0;
 constexpr int oV = oK + kKTile;
@@ -184,7 +186,7 @@ constexpr int kBarStg = 1;  // + consumer warpgroup index: its staging tile's tw
 __device__ __forceinline__ void issue_qk(float (&s)[64], uint32_t q_tile, uint32_t k_tile) {
 #pragma unroll
   for (int ks = 0; ks < kD / 16; ++ks)
-    wgmma_ss_bf16<128, 0, 0>(s, wgmma_desc_sw128(q_tile + (ks >> 2) * kQSlab + (ks & 3) * 32),
+    wgmma_ss_bf16<128, 0, 0>(s, wgmma_desc_sw128(q_tile + (ks >> 2) * 1024 + (ks & 3) * 32, kQGroup),
                              wgmma_desc_sw128(k_tile + (ks >> 2) * kKSlab + (ks & 3) * 32), ks > 0);
 }
 
@@ -387,7 +389,7 @@ __global__ void __launch_bounds__(256) kvw_det_mid_kernel(
 
 template <int M, Form F>
 __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
-    const __grid_constant__ CUtensorMap q_map,  // q [T, H, 128], box {64 cols, M heads, 1 token}
+    const __grid_constant__ CUtensorMap q_map,  // q [T, H, 128] as head groups (make_bf16_head_group_map)
     const __grid_constant__ CUtensorMap k_map,  // k [T, Hkv, 128], box {64 cols, 1, 128 rows}
     const __grid_constant__ CUtensorMap v_map,  // v [T, Hkv, 128], box {64 cols, 1, 128 rows}
     const int4* __restrict__ items,             // [n] {first key row (packed), e0, e1, 0}
@@ -411,7 +413,7 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
   unsigned char* smem = kvw_smem_raw + ((1024u - (smem_u32(kvw_smem_raw) & 1023u)) & 1023u);
   unsigned char* sK = smem + oK;                                  // [2 slabs][128][128 B]
   unsigned char* sV = smem + oV;                                  // [2 slabs][128][128 B]
-  unsigned char* sQ = smem + oQ;                                  // [kStages][2 slabs][64][128 B]
+  unsigned char* sQ = smem + oQ;                                  // [kStages][8 groups][2 slabs][8][128 B]
   float* sStg = reinterpret_cast<float*>(smem + oStg);            // [2 WG][64][128] fp32
   int32_t* sList = reinterpret_cast<int32_t*>(smem + oList);      // [2][kMaxItemTok] tokens
   int2* sInfo = reinterpret_cast<int2*>(smem + oInfo);            // [2] {first key row, tokens or -1}
@@ -491,10 +493,17 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
                                                  ::cuda::ptx::space_shared, fb, n * M * kD * 2);
         __syncwarp();
         if (lane < n) {
-          unsigned char* dst = sQ + st * kQTile + lane * M * 128;
+          unsigned char* tile = sQ + st * kQTile;
           const int t = list[i * kTok + lane];
-          tma_load_3d(dst, &q_map, 0, head0, t, fb);
-          tma_load_3d(dst + kQSlab, &q_map, 64, head0, t, fb);
+          if constexpr (M >= 8) {
+            // Token `lane`: rows lane * M .. + M - 1 = M / 8 whole groups, one box.
+            tma_load_5d(tile + lane * (M / 8) * kQGroup, &q_map, 0, 0, 0, head0 / 8, t, fb);
+          } else {
+            // m = 4: half a group per token, one box per slab (a box is dense: [slab][4 rows]).
+            unsigned char* dst = tile + (lane >> 1) * kQGroup + (lane & 1) * 4 * 128;
+            tma_load_5d(dst, &q_map, 0, 0, 0, head0 / 4, t, fb);
+            tma_load_5d(dst + kQGroup / 2, &q_map, 0, 0, 1, head0 / 4, t, fb);
+          }
         }
       };
       // Each warpgroup's first tile before V: their stages are freed by S products of earlier
@@ -1016,7 +1025,8 @@ void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
   FLASHMSA_CUDA_CHECK(cudaGetDevice(&device));
   KvwPlan pl = plan_kvw(p, usable_lanes(stream, device, std::min(stream_count(), p.Hp)));
   // Everything that can fail without side effects, before the workspace exists.
-  const CUtensorMap q_map = make_bf16_head_map(p.q, p.T, p.H, kD, M);
+  constexpr int kR = M < 8 ? M : 8;  // heads per 8-row group of a token
+  const CUtensorMap q_map = make_bf16_head_group_map(p.q, p.T, p.H, kR, M < 8 ? 1 : 2, M < 8 ? 1 : M / 8);
   const CUtensorMap k_map = make_bf16_row_map(p.k, p.T, p.Hkv, kD, kBlk);
   const CUtensorMap v_map = make_bf16_row_map(p.v, p.T, p.Hkv, kD, kBlk);
   constexpr Form kFirst = DET ? Form::det_sum : Form::fast;
