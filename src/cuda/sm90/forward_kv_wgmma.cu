@@ -42,9 +42,14 @@
 //   producer: per item, the entries' tokens into a double-buffered shared list (loaded before the
 //     previous item is released, so its latency is hidden), then K of the block (TMA, 128 rows
 //     past T read as zeros) once every consumer is past its last S of the previous item, the
-//     item's first two Q tiles, V once every consumer is past its last PV, the other Q tiles:
-//     per tile one TMA box {64 columns, m heads, 1 token} per 64-column slab per token into a
-//     kStages-stage ring. The box is m rows of the tile's swizzled slab.
+//     item's first two Q tiles, V once every consumer is past its last PV, the other Q tiles into a
+//     kStages-stage ring, lane j issuing token j's boxes. The tile is laid out as 8 groups of 8
+//     rows, each group [2 slabs][8 rows][128 B] (wgmma SBO 2048), so that at m = 8 and 16 one 5-D
+//     box {64 columns, 8 heads, 2 slabs, m / 8 groups, 1 token} brings a token's m rows whole; at
+//     m = 4 a token is half a group and takes one box per slab. Each TMA operation costs the
+//     producer a wait for the TMA unit to accept it (it also carries the consumers' bulk
+//     reduce-adds): one lane issuing all of a tile's boxes, two boxes per token and one bulk op per
+//     token's row sums each cost 2-12% of the forward (perf-notes).
 //   consumer, per tile: S = Q K^T (SS, 64 x 128 x 128), the Q stage released, the causal mask only
 //     where a row's token lies in the block (the own block: the only partially visible block; it
 //     also hides keys past the sequence end), P = 2^(S scale log2e - mref), overflow check, row
@@ -65,11 +70,11 @@
 // 8-row, 1024-byte swizzle atom): TMA's 128-byte swizzle XORs address bits 4-6 with bits 7-9 of
 // the final shared-memory address (the same fact wgmma_desc_sw128 relies on for its +32-byte
 // k-steps; a public reverse-engineering exercise of TMA on H100 also derives the XOR key from the
-// absolute shared address). The tile is 1024-aligned, so the box of token j, written at row j*m,
-// gets exactly the XOR of tile rows j*m .. j*m+m-1, i.e. the layout sw128_offset describes. Were
-// the swizzle relative to the box start instead, m = 8 and 16 would still be right (j*m = 0 mod 8)
-// and only m = 4 with an odd j would read wrong rows: the GPU test at m = 4 with >= 2 tokens per
-// tile is the decisive check.
+// absolute shared address). Every slab part of a group starts 1024-aligned, so a box written at
+// row r of it gets exactly the XOR of rows r .. r + m - 1 of that atom. Were the swizzle relative
+// to the box start instead, m = 8 and 16 would still be right (whole atoms) and only m = 4 with an
+// odd token slot would read wrong rows: the GPU test at m = 4 with >= 2 tokens per tile is the
+// decisive check.
 //
 // Fast form (Form::fast) not deterministic: the fp32 reduce-adds into acc_o / acc_l run in no
 // fixed order. Deterministic form (m = 8 or 16): two passes per (p, chunk) over the same items,
@@ -479,8 +484,9 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
         ::cuda::ptx::mbarrier_arrive(k_full);  // release: this lane's list entries
       }
       const int ntiles = (ntok + kTok - 1) / kTok;
-      // Warp-wide: lane j issues token j's two boxes (kTok = 64 / M <= 16 tokens per tile), so a
-      // tile of 16 tokens (m = 4) is not 32 serial TMA issues on one lane. The __syncwarp puts
+      // Warp-wide: lane j issues token j's box (two at m = 4; kTok = 64 / M <= 16 tokens per tile):
+      // the lanes' list reads and address math run in parallel, and only the TMA instructions
+      // themselves serialise (ptxas loops over the active lanes: uniform operands). The __syncwarp puts
       // lane 0's expect_tx and arrival before every box (the phase could not complete early even
       // without it: lane 0's arrival is the one the barrier waits for).
       auto issue_q = [&](int i) {
