@@ -78,6 +78,7 @@ inline CUtensorMap make_bf16_head_group_map(const void* base, int64_t rows, int 
   return map;
 }
 
+// Loads the box at coordinates (c0 .. c4) of a 5-D map into `dst`, completing its bytes on `bar`.
 __device__ __forceinline__ void tma_load_5d(void* dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
                                             int c4, uint64_t* bar) {
   const int32_t coords[5] = {c0, c1, c2, c3, c4};
