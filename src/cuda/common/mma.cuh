@@ -15,8 +15,9 @@ namespace flashmsa::cuda {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-// 2^x on the SFU (-inf -> +0); results below 2^-126 flush to 0 (invisible next to a softmax sum
-// that holds its row maximum's term, 1).
+// 2^x on the SFU alone (-inf -> +0). exp2f wraps MUFU.EX2 in a range fix-up for results below
+// 2^-126 (a compare, two multiplies and predicate shuffling per element); flushing those to 0 moves
+// a probability by < 1.2e-38, invisible next to bf16 operands and softmax sums.
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));

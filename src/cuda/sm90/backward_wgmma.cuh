@@ -122,16 +122,6 @@ __device__ __forceinline__ void wb_zero(float (&d)[N]) {
   for (int i = 0; i < N; ++i) d[i] = 0.f;
 }
 
-// 2^x on the SFU alone. exp2f wraps MUFU.EX2 in a range fix-up for results below 2^-126 (a
-// compare, two multiplies and predicate shuffling per element in the SASS); flushing those to
-// zero moves a probability by < 1.2e-38, which neither the bf16 operands nor the teacher sum
-// can see.
-__device__ __forceinline__ float wb_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // acc_add_tile's fp32 path without its even/odd branches: the two lanes of a pair swap half
 // their values (one shuffle each way), then every lane issues ONE predicated 16-byte RED
 // (relaxed, gpu scope: what atomicAdd on a float4 compiles to) at a selected address. The
@@ -556,7 +546,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int key = bc.key0 + kr + 8 * (e >> 1);
-          s1[4 * j + e] = key <= tpv[e & 1] ? wb_exp2(fmaf(s1[4 * j + e], scale2, nl[e & 1])) : 0.f;
+          s1[4 * j + e] = key <= tpv[e & 1] ? fast_exp2(fmaf(s1[4 * j + e], scale2, nl[e & 1])) : 0.f;
         }
       }
       // Teacher sums (thread-private, no barrier), zeroed by the tile's proxy step. Shared memory,

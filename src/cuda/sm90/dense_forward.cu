@@ -40,13 +40,6 @@ constexpr size_t kSmem = 1024 + (1 + 2 * kStages) * static_cast<size_t>(kTileByt
                          (1 + 4 * kStages) * sizeof(uint64_t);
 static_assert(kSmem <= 227 * 1024, "dense forward: shared memory over the sm_90 limit");
 
-// 2^x on the SFU (ex2.approx: ~2 ulp, -inf -> +0), as the softmax needs no more.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // Row statistics for this thread's two accumulator rows (16w + g and 16w + g + 8). m is the
 // running max of the raw scores; l the running sum of exp, partial over this thread's 32
 // columns (the quad's four partials are added once, at the end: every rescale multiplies all
