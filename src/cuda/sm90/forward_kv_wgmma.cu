@@ -15,10 +15,10 @@
 // block) contribution is then exact and independent of the others:
 //   P = 2^(S * scale * log2 e - mref), acc_o += bf16(P) V, acc_l += sum(P)   (fp32, P unrounded for l)
 // and at the end o = acc_o / acc_l, lse = (mref + log2 acc_l) * ln 2. No merge, no second pass.
-// Overflow rule: if a row's max of S * scale * log2 e - mref exceeds 64 (log2 units) in some block,
-// overflow[t] = 1 and the caller recomputes token t exactly (query-major). Below that, a term is
-// <= 2^64 and a row sums at most 32 blocks x 128 keys of them: 2^64 * 2^12 * |v| stays far below
-// fp32's 2^128, so flagged tokens are the only ones whose o/lse may be wrong (inf or NaN).
+// Overflow rule: if a row's sum of P over some block exceeds 2^64 (any term above 2^64 does that),
+// overflow[t] = 1 and the caller recomputes token t exactly (query-major). Below that, a row sums
+// at most 32 blocks of <= 2^64: 2^69 * |v| stays far below fp32's 2^128, so flagged tokens are the
+// only ones whose o/lse may be wrong (inf or NaN).
 //
 // Why chunks: an fp32 accumulator for every token (512 MB per group at m3/64k) would live in HBM
 // and every reduce-add would be an HBM read-modify-write. Tokens are processed in chunks of C
@@ -82,8 +82,7 @@
 // sums commute and every run gives the same bits:
 //   Form::det_sum: S and P only (no V, no PV): each token's m row sums leave as int64 (one bulk
 //     .add.u64 of m * 8 bytes) into acc_l. A row is flagged (recomputed query-major, itself
-//     deterministic) when its best score exceeds the reference by more than 2^20 instead of 2^64,
-//     so every kept term P <= 2^20 and l <= 2^20 * 32 blocks * 128 keys.
+//     deterministic) when its sum over a block exceeds 2^20 instead of 2^64, so l <= 2^20 * K.
 //   kvw_det_mid_kernel: lse = (mref + log2 l) ln 2 written, and the row's reference becomes
 //     ref = mref + log2 l (rows with l < 2^-8 flagged).
 //   Form::det_out: the fast form's tile with P = 2^(S scale log2e - ref) <= 1, the normalised
@@ -368,7 +367,7 @@ __global__ void __launch_bounds__(256) kvw_finprep_kernel(
 // The deterministic form between its passes, one thread per row R = token * M + hh of the chunk:
 // l = acc_l / fx_l (int64 sums of Form::det_sum), lse[h, t] = (mref + log2 l) ln 2, and the row's
 // reference for Form::det_out becomes mref + log2 l (its P are then the normalised probabilities).
-// overflow[t] = 1 where l < 2^-8: l's fixed-point quantum is ~2^-30, so a row far below its
+// overflow[t] = 1 where l < 2^-8: l's fixed-point quantum is ~2^-37 at K = 16, so a row far below its
 // reference (own block not selected) would lose digits long before 2^-64; with the own block l is
 // ~1 or more. A NaN l (non-finite v: fx_l is then NaN) is flagged too.
 template <int M>
@@ -412,7 +411,9 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
   static_assert(kRows % M == 0 && M % 4 == 0 && kMaxTiles * kTok <= kMaxItemTok, "group size");
   static_assert(F == Form::fast || M % 8 == 0, "the deterministic form is built for groups of 8 or 16 heads only");
   constexpr bool kWithV = F != Form::det_sum;  // det_sum: S and row sums only
-  constexpr float kOverflow = F == Form::det_sum ? kOverflowLog2Det : kOverflowLog2;
+  // A row is flagged when its sum over one block exceeds this (see softmax).
+  constexpr float kOverflowSum = F == Form::det_sum ? 0x1p20f : 0x1p64f;
+  static_assert(kOverflowLog2 == 64.f && kOverflowLog2Det == 20.f, "kOverflowSum = 2^kOverflowLog2");
   extern __shared__ __align__(16) unsigned char kvw_smem_raw[];
   // Offset from the shared array (not an integer round trip), so the compiler keeps LDS/STS.
   unsigned char* smem = kvw_smem_raw + ((1024u - (smem_u32(kvw_smem_raw) & 1023u)) & 1023u);
@@ -663,17 +664,6 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
           if (col > ((e & 2) ? tr.lim1 : tr.lim0)) s[4 * j + e] = -INFINITY;
         }
     }
-    if constexpr (F != Form::det_out) {
-      float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
-        mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
-      }
-      // Overflow: this thread's part of the row suffices (any quad lane may flag the token).
-      if (tr.ok0 && fmaf(mx0, scale_log2, -tr.mr0) > kOverflow) overflow[tr.t0] = 1;
-      if (tr.ok1 && fmaf(mx1, scale_log2, -tr.mr1) > kOverflow) overflow[tr.t1] = 1;
-    }
     l0 = 0.f;
     l1 = 0.f;
 #pragma unroll
@@ -692,14 +682,16 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
       l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
       l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
       l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+      // Overflow from the row's sum over this block rather than its maximum (no 64-step max per
+      // tile): any term above the limit puts the sum above it, ex2 of a huge exponent gives inf
+      // and a NaN score (non-finite q or k) a NaN sum, all caught by one compare; a row whose
+      // terms stay below the limit but sum above it (at most 128 of them) is flagged too, which
+      // costs only its recompute. det_sum: fixed point would turn a non-finite sum into finite
+      // garbage, so the query-major recompute carries it as the fast form does.
+      if (tr.ok0 && !(l0 <= kOverflowSum)) overflow[tr.t0] = 1;
+      if (tr.ok1 && !(l1 <= kOverflowSum)) overflow[tr.t1] = 1;
     }
-    if constexpr (F == Form::det_sum) {
-      // Kept terms are <= 2^kOverflowLog2Det, so a non-finite row sum comes only from a non-finite
-      // q or k (a NaN score, a NaN or infinite mref). Fixed point would turn it into finite
-      // garbage: the token goes to the query-major recompute, which carries it as the fast form does.
-      if (tr.ok0 && !(l0 <= FLT_MAX)) overflow[tr.t0] = 1;
-      if (tr.ok1 && !(l1 <= FLT_MAX)) overflow[tr.t1] = 1;
-    } else {
+    if constexpr (F != Form::det_sum) {
 #pragma unroll
       for (int kk = 0; kk < 8; ++kk) acc_to_a_frag(pf[kk], s + 8 * kk);
     }
@@ -1009,7 +1001,7 @@ class StreamFork {
 };
 
 // The deterministic form's fixed-point factors (fx: [3] = max|v| as float bits, fx_o, fx_l):
-// fx_l (int64) from l <= K blocks x 128 keys x 2^kOverflowLog2Det (kept terms of det_sum);
+// fx_l (int64) from l <= K blocks x 2^kOverflowLog2Det (det_sum flags a larger block sum);
 // fx_o (int32) from |o| <= (sum of a row's bf16(P)) max|v| <= 2 max|v| (det_out's P are the
 // normalised probabilities, each rounded to bf16). A non-finite v makes both factors NaN: every
 // row's l is then NaN, kvw_det_mid_kernel flags it and the query-major kernel recomputes it,
@@ -1017,7 +1009,7 @@ class StreamFork {
 // sums over NaN terms (a slow path, taken only for such inputs). A non-finite q or k is caught per
 // token by det_sum (its row sum).
 __global__ void kvw_det_factors_kernel(int K, float* __restrict__ fx) {
-  const float l_bound = ldexpf(static_cast<float>(K) * kBlk, static_cast<int>(kOverflowLog2Det));
+  const float l_bound = ldexpf(static_cast<float>(K), static_cast<int>(kOverflowLog2Det));
   fx[1] = fixed_point_factor(2.f * fx[0], 30);  // fx[0]: non-negative float bits read as a float
   fx[2] = fixed_point_factor(l_bound);
   if (!isfinite(fx[0])) fx[1] = fx[2] = __int_as_float(0x7fc00000);
