@@ -187,18 +187,20 @@ static_assert(oBar % 8 == 0 && oList % 16 == 0 && oStgL64 % 16 == 0,
 constexpr int kBarStg = 1;  // + consumer warpgroup index: its staging tile's two barriers
 
 // S (64 rows x 128 keys) = Q tile (K-major, 8 KB slabs) x K block^T (K-major, 16 KB slabs).
-__device__ __forceinline__ void issue_qk(float (&s)[64], uint32_t q_tile, uint32_t k_tile) {
+// q_desc / k_desc: wgmma_desc_sw128 of the Q tile (SBO kQGroup) and of the K tile.
+__device__ __forceinline__ void issue_qk(float (&s)[64], uint64_t q_desc, uint64_t k_desc) {
 #pragma unroll
   for (int ks = 0; ks < kD / 16; ++ks)
-    wgmma_ss_bf16<128, 0, 0>(s, wgmma_desc_sw128(q_tile + (ks >> 2) * 1024 + (ks & 3) * 32, kQGroup),
-                             wgmma_desc_sw128(k_tile + (ks >> 2) * kKSlab + (ks & 3) * 32), ks > 0);
+    wgmma_ss_bf16<128, 0, 0>(s, wgmma_desc_advance(q_desc, (ks >> 2) * 1024 + (ks & 3) * 32),
+                             wgmma_desc_advance(k_desc, (ks >> 2) * kKSlab + (ks & 3) * 32), ks > 0);
 }
 
 // O = P V: k-step kk covers keys 16kk..16kk+15 (rows of the V tile, read MN-major).
-__device__ __forceinline__ void issue_pv(float (&o)[64], const uint32_t (&pf)[8][4], uint32_t v_tile) {
+// v_desc: wgmma_desc_sw128_mn(V tile, kKSlab).
+__device__ __forceinline__ void issue_pv(float (&o)[64], const uint32_t (&pf)[8][4], uint64_t v_desc) {
 #pragma unroll
   for (int kk = 0; kk < kBlk / 16; ++kk)
-    wgmma_rs_bf16<128, 1>(o, pf[kk], wgmma_desc_sw128_mn(v_tile + kk * 16 * 128, kKSlab), kk > 0);
+    wgmma_rs_bf16<128, 1>(o, pf[kk], wgmma_desc_advance(v_desc, kk * 16 * 128), kk > 0);
 }
 
 // ---- plan: work items of every (proxy group, chunk) ------------------------------------------
@@ -547,7 +549,13 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
   const bool issuer = own0 || own1;
   float* stg = sStg + cw * kRows * kD;
   const uint32_t stg_u32 = smem_u32(stg);
-  const uint32_t k_base = smem_u32(sK), v_base = smem_u32(sV), q_base = smem_u32(sQ);
+  const uint64_t k_desc = wgmma_desc_sw128(smem_u32(sK)), v_desc = wgmma_desc_sw128_mn(smem_u32(sV), kKSlab);
+  const uint64_t q_desc0 = wgmma_desc_sw128(smem_u32(sQ), kQGroup);  // stage 0
+  // Staging: column chunk j = 4a + b of a row goes to chunk 4a + (b ^ perm) (see the header), so
+  // four per-thread bases (b = 0..3) and immediate offsets (a, the second row) cover every store.
+  float* stg_base[4];
+#pragma unroll
+  for (int b = 0; b < 4; ++b) stg_base[b] = stg + r0 * kD + ((b ^ perm) << 3) + 2 * c;
 
   // Row metadata of one tile: tokens, references, mask limits (key column j is visible to a row
   // iff j <= lim: lim >= 127 everywhere but in the row token's own block), its Q stage.
@@ -564,7 +572,7 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
     tr.st = tg % kStages;
     wgmma_fence_operands(s);
     wgmma_fence();
-    issue_qk(s, q_base + tr.st * kQTile, k_base);
+    issue_qk(s, wgmma_desc_advance(q_desc0, tr.st * kQTile), k_desc);
     wgmma_commit();
     const int n = min(kTok, ntok - i * kTok);
     tr.ok0 = slot0 < n;
@@ -606,24 +614,21 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
       }
       return;
     }
-    float* row0 = stg + r0 * kD;
-    float* row1 = stg + r1 * kD;
-    if constexpr (F == Form::det_out) {
-      const float fx_o = __ldg(fx);
+    // det_out: O as int32 of the normalised output (the staging holds the bits either way).
+    const float fx_o = F == Form::det_out ? __ldg(fx) : 1.f;
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const int at = ((j ^ perm) << 3) + 2 * c;
-        *reinterpret_cast<int2*>(row0 + at) = make_int2(__float2int_rn(o[4 * j] * fx_o), __float2int_rn(o[4 * j + 1] * fx_o));
-        *reinterpret_cast<int2*>(row1 + at) =
-            make_int2(__float2int_rn(o[4 * j + 2] * fx_o), __float2int_rn(o[4 * j + 3] * fx_o));
+    for (int j = 0; j < 16; ++j) {
+      float* const at0 = stg_base[j & 3] + (j >> 2) * 32;  // row r0
+      float* const at1 = at0 + 8 * kD;                     // row r1 = r0 + 8
+      if constexpr (F == Form::det_out) {
+        *reinterpret_cast<int2*>(at0) = make_int2(__float2int_rn(o[4 * j] * fx_o), __float2int_rn(o[4 * j + 1] * fx_o));
+        *reinterpret_cast<int2*>(at1) = make_int2(__float2int_rn(o[4 * j + 2] * fx_o), __float2int_rn(o[4 * j + 3] * fx_o));
+      } else {
+        *reinterpret_cast<float2*>(at0) = make_float2(o[4 * j], o[4 * j + 1]);
+        *reinterpret_cast<float2*>(at1) = make_float2(o[4 * j + 2], o[4 * j + 3]);
       }
-    } else {
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const int at = ((j ^ perm) << 3) + 2 * c;
-        *reinterpret_cast<float2*>(row0 + at) = make_float2(o[4 * j], o[4 * j + 1]);
-        *reinterpret_cast<float2*>(row1 + at) = make_float2(o[4 * j + 2], o[4 * j + 3]);
-      }
+    }
+    if constexpr (F != Form::det_out) {
       // The row sums as plain reductions (4 bytes per row, a warp's 8 rows share a sector), not
       // bulk ops: the TMA unit, which carries the Q loads and O's bulk reduce-adds, then issues a
       // quarter fewer operations per tile.
@@ -700,7 +705,7 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
     if constexpr (!kWithV) return;  // det_sum: S only (its wait<1> below then waits for nothing)
     wgmma_fence_operands(o);
     wgmma_fence();  // pf was written by ordinary instructions
-    issue_pv(o, pf, v_base);
+    issue_pv(o, pf, v_desc);
     wgmma_commit();
   };
 
