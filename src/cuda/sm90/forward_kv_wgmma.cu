@@ -22,10 +22,11 @@
 //
 // Why chunks: an fp32 accumulator for every token (512 MB per group at m3/64k) would live in HBM
 // and every reduce-add would be an HBM read-modify-write. Tokens are processed in chunks of C
-// (FLASHMSA_FWD_CHUNK overrides: a multiple of 128 >= 128) per proxy group p: acc_o [C, m, 128]
-// fp32, acc_l and mref [C, m], which stay in the H200's 50 MB L2 while the chunk is processed. S proxy groups (FLASHMSA_FWD_STREAMS,
+// (FLASHMSA_FWD_CHUNK overrides: a multiple of 128 >= 128; either is shrunk to keep the workspace
+// within its limit) per proxy group p: acc_o [C, m, 128] fp32, acc_l and mref [C, m], which stay
+// in the H200's 50 MB L2 while the chunk is processed. S proxy groups (FLASHMSA_FWD_STREAMS,
 // default 2, at most Hp) run concurrently, group p on helper stream p % S with that stream's own
-// accumulator (the default C then splits the 32 MB: 2048 tokens per stream at m = 16), forked
+// accumulator (the default C then splits 40 MB: 2560 tokens per stream at m = 16), forked
 // from and joined back to the caller's stream by events. Per (p, chunk), on its stream:
 //   finprep: finalize the previous (p, chunk) from the accumulator (o, lse) and in the same pass
 //            prepare this one (mref of its rows, accumulator zeroed);
@@ -142,10 +143,11 @@ constexpr int kMaxTiles = 32;                   // tiles per work item at most
 constexpr int kMaxItemTok = kMaxTiles * kRows / 4;  // tokens per item at most (m = 4)
 constexpr int kThreads = 384;
 constexpr int kConsumerThreads = 256;
-// Default chunk: the tokens whose fp32 output accumulator fills kAccBudget (4096 at m = 16).
+// Default chunk: the tokens whose S fp32 output accumulators fill kAccBudget together. One stream,
 // m3/64k, H200: C = 1024 / 2048 / 4096 / 8192 -> forward 25.7 / 19.4 / 17.6 / 21.8 ms (8192: 64 MB,
-// past the L2).
-constexpr size_t kAccBudget = size_t{32} << 20;
+// past the L2); two streams at b25b95f: 2048 / 2560 / 3072 per stream -> 13.38-13.49 / 13.32-13.34
+// / 13.31 ms (perf-notes).
+constexpr size_t kAccBudget = size_t{40} << 20;
 constexpr float kOverflowLog2 = 64.f;
 constexpr float kOverflowLog2Det = 20.f;  // deterministic form: bounds the fixed-point range of l
 
@@ -810,7 +812,7 @@ int stream_count() {
 // FLASHMSA_FWD_CHUNK (tokens per chunk and stream; a multiple of 128, >= 128), read per call;
 // anything else (unset, malformed) gives the default: the S concurrent output accumulators (4
 // bytes per element in both forms) share kAccBudget, so that all of them stay in L2 together
-// (2048 tokens at m = 16, S = 2).
+// (2560 tokens at m = 16, S = 2).
 int chunk_tokens(int m, int streams) {
   const size_t per_token = static_cast<size_t>(m) * kD * 4 * static_cast<size_t>(streams);
   const int fallback = std::max(kBlk, static_cast<int>(kAccBudget / per_token / kBlk * kBlk));
@@ -839,8 +841,9 @@ struct KvwPlan {
   size_t o_fx = 0;                   // deterministic form: max|v| bits, fx_o, fx_l
 };
 
-// Sizes and chunk ranges from the host copy of cu_seqlens (O(B + chunks log B) host work).
-KvwPlan plan_kvw(const MsaParams& p, int streams) {
+// Sizes and chunk ranges for chunks of C tokens, from the host copy of cu_seqlens (O(B + chunks
+// log B) host work).
+KvwPlan plan_kvw_chunks(const MsaParams& p, int streams, int C) {
   const bool det = p.deterministic;  // the two-pass fixed-point form
   KvwPlan pl;
   pl.sel = selection_index_sizes(p);
@@ -848,7 +851,7 @@ KvwPlan plan_kvw(const MsaParams& p, int streams) {
   pl.m = p.H / p.Hp;
   pl.tok_per_tile = kRows / pl.m;
   pl.S = std::max(1, std::min(streams, p.Hp));
-  pl.C = chunk_tokens(pl.m, pl.S);
+  pl.C = C;
   pl.Ceff = static_cast<int>(std::min<int64_t>(pl.C, p.T));
   pl.n_chunks = static_cast<int>((p.T + pl.C - 1) / pl.C);
   const int32_t* cu = p.cu_seqlens_host;
@@ -897,6 +900,29 @@ KvwPlan plan_kvw(const MsaParams& p, int streams) {
   }
   if (det) pl.o_fx = pl.ws.add(3 * sizeof(float));
   return pl;
+}
+
+// The path's workspace limit: size(q) / 2 (performance.md's rule, which matters at scale), or
+// 64 MiB: small problems (a few thousand tokens) would otherwise lose the path to the index's
+// fixed costs.
+size_t kvw_workspace_limit(const MsaParams& p) {
+  return std::max<size_t>(static_cast<size_t>(p.T) * p.H * p.D, size_t{64} << 20);
+}
+
+// The plan with the default (or FLASHMSA_FWD_CHUNK's) chunk, shrunk by eighths while the
+// workspace exceeds the limit: a chunk larger than the problem affords costs a little speed, where
+// a workspace over the limit would cost the whole path (the caller then takes the query-major
+// kernel, ~4x slower at fm16k).
+KvwPlan plan_kvw(const MsaParams& p, int streams) {
+  const int S = std::max(1, std::min(streams, p.Hp));
+  // A chunk past the sequence end changes nothing: start at most one block-rounded T.
+  int C = static_cast<int>(std::min<int64_t>(chunk_tokens(p.H / p.Hp, S), (p.T + kBlk - 1) / kBlk * kBlk));
+  const size_t limit = kvw_workspace_limit(p);
+  for (;;) {
+    KvwPlan pl = plan_kvw_chunks(p, streams, C);
+    if (pl.ws.size() <= limit || C <= kBlk) return pl;
+    C = std::max(kBlk, C - std::max(kBlk, C / 8 / kBlk * kBlk));
+  }
 }
 
 // Helper stream i of `device` for the calling host thread: created on first use (non-blocking, so
@@ -1171,11 +1197,10 @@ bool kv_wgmma_forward_applies(const MsaParams& p) {
   if (p.deterministic && (m == 4 || det_forward_forced_query())) return false;
   if ((p.H / p.Hkv) % m != 0) return false;  // a group lies inside one kv head
   if (static_cast<int64_t>(p.Hp) * p.T * p.top_k >= INT32_MAX) return false;
-  // Workspace <= size(q) / 2 (performance.md's rule, which matters at scale), or <= 64 MiB: small
-  // problems (a few thousand tokens) would otherwise lose the path to the index's fixed costs.
-  const size_t limit = std::max<size_t>(static_cast<size_t>(p.T) * p.H * p.D, size_t{64} << 20);
   // The plan with one stream too: run_kvw falls back to one lane where its helper streams are taken
-  // by another capture (usable_lanes).
+  // by another capture (usable_lanes). plan_kvw shrinks the chunk to fit; what is left over the
+  // limit is the selection index itself.
+  const size_t limit = kvw_workspace_limit(p);
   return std::max(plan_kvw(p, stream_count()).ws.size(), plan_kvw(p, 1).ws.size()) <= limit;
 }
 
