@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(kPlanThreads) kvw_plan_kernel(
     const int32_t* __restrict__ cu,       // [B+1]
     const int32_t* __restrict__ blk_off,  // [B+1] first global block of each sequence
     const int32_t* __restrict__ blk_seq,  // [NB] sequence of each global block
-    int NB, int K, int tok_per_tile, int64_t items_per_group,
+    int NB, int K, int tok_per_tile, int max_tiles, int64_t items_per_group,
     int4* __restrict__ items,             // [Hp, items_per_group]
     int32_t* __restrict__ n_items) {      // [Hp, n_chunks]
   __shared__ int warp_sums[kPlanThreads / 32];
@@ -259,7 +259,7 @@ __global__ void __launch_bounds__(kPlanThreads) kvw_plan_kernel(
       cnt = lower_bound_i32(vals, e0, end, hi_key) - e0;
       if (cnt > 0) {
         const int tiles = (cnt + tok_per_tile - 1) / tok_per_tile;
-        pieces = (tiles + kMaxTiles - 1) / kMaxTiles;
+        pieces = (tiles + max_tiles - 1) / max_tiles;
         per = (tiles + pieces - 1) / pieces * tok_per_tile;
         const int b = __ldg(blk_seq + g);
         krow = __ldg(cu + b) + (g - __ldg(blk_off + b)) * kBlk;
@@ -824,10 +824,22 @@ int chunk_tokens(int m, int streams) {
   return static_cast<int>(v);
 }
 
+// FLASHMSA_FWD_ITEM_TILES (1 .. kMaxTiles), read per call: tiles per work item at most; anything
+// else gives kMaxTiles.
+int item_tiles() {
+  const char* s = std::getenv("FLASHMSA_FWD_ITEM_TILES");
+  if (s == nullptr || *s == '\0') return kMaxTiles;
+  char* end = nullptr;
+  const long v = std::strtol(s, &end, 10);
+  if (*end != '\0' || v < 1 || v > kMaxTiles) return kMaxTiles;
+  return static_cast<int>(v);
+}
+
 struct KvwPlan {
   SelectionIndexPlan sel;
   Workspace ws;
   int m = 0, tok_per_tile = 0, C = 0, Ceff = 0, n_chunks = 0;
+  int max_tiles = kMaxTiles;    // tiles per work item at most (FLASHMSA_FWD_ITEM_TILES)
   int S = 1;                    // concurrent group sequences (helper streams), <= Hp
   std::vector<int> c0, c1, g_lo, nb;
   std::vector<int64_t> off;     // per chunk: first item slot inside a group's region
@@ -852,6 +864,7 @@ KvwPlan plan_kvw_chunks(const MsaParams& p, int streams, int C) {
   pl.tok_per_tile = kRows / pl.m;
   pl.S = std::max(1, std::min(streams, p.Hp));
   pl.C = C;
+  pl.max_tiles = item_tiles();
   pl.Ceff = static_cast<int>(std::min<int64_t>(pl.C, p.T));
   pl.n_chunks = static_cast<int>((p.T + pl.C - 1) / pl.C);
   const int32_t* cu = p.cu_seqlens_host;
@@ -872,7 +885,7 @@ KvwPlan plan_kvw_chunks(const MsaParams& p, int streams, int C) {
     // Items: sum over blocks of ceil(tiles / kMaxTiles) <= nb + (sum of tiles) / kMaxTiles, and
     // sum of tiles <= entries / tok_per_tile + nb with entries <= tokens * K.
     const int64_t entries = (z - a) * p.top_k;
-    const int64_t bound = nb + ((entries + pl.tok_per_tile - 1) / pl.tok_per_tile + nb) / kMaxTiles + 1;
+    const int64_t bound = nb + ((entries + pl.tok_per_tile - 1) / pl.tok_per_tile + nb) / pl.max_tiles + 1;
     pl.c0.push_back(static_cast<int>(a));
     pl.c1.push_back(static_cast<int>(z));
     pl.g_lo.push_back(g_lo);
@@ -1105,7 +1118,7 @@ void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
       kvw_plan_kernel<<<dim3(pb.n, p.Hp), kPlanThreads, 0, stream>>>(
           pb, cb, pl.n_chunks, ws.at<int32_t>(pl.sel.o_seg), ws.at<int32_t>(pl.sel.o_vals_out), p.cu_seqlens,
           ws.at<int32_t>(pl.sel.o_blk_off), ws.at<int32_t>(pl.sel.o_blk_seq), pl.sel.NB, p.top_k, pl.tok_per_tile,
-          pl.items_per_group, items, n_items);
+          pl.max_tiles, pl.items_per_group, items, n_items);
       FLASHMSA_CHECK_LAUNCH();
     }
 
