@@ -544,6 +544,12 @@ TEST(CudaForward, ForwardPathRouting) {
   run_paths(shape(32, 2, 2, 1, 128, 8, {1400}), 82, "wgmma", 3);
   // m = 2: no wgmma forward; the mma KV-major kernel (fused KL) is the default.
   run_paths(shape(8, 2, 4, 4, 128, 8, {1500, 260}), 83, "kv", 2);
+  // A chunk override far past the workspace limit (two 9088-token m = 16 accumulators: 149 MB
+  // against 64 MiB) is shrunk to fit; the path stays wgmma instead of falling back to query-major.
+  {
+    ScopedEnv chunk("FLASHMSA_FWD_CHUNK", "16777216");
+    run_paths(shape(32, 2, 2, 1, 128, 8, {9000}), 84, "wgmma", 3);
+  }
 }
 
 // ---- wgmma KV-major forward (forward_kv_wgmma.cu): fixed softmax reference, chunk accumulators.

@@ -62,6 +62,14 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t addr, uint32_t sbo
   return d;
 }
 
+// The descriptor of addr + bytes from that of addr (bytes a multiple of 16): the start address
+// field is bits 0-13 and a shared address below 2^18 cannot carry out of it, so only the low
+// word changes (one integer add instead of rebuilding the descriptor per k-step).
+__device__ __forceinline__ uint64_t wgmma_desc_advance(uint64_t desc, uint32_t bytes) {
+  const uint32_t lo = static_cast<uint32_t>(desc) + (bytes >> 4);
+  return (desc & 0xFFFFFFFF00000000ull) | lo;
+}
+
 // MN-major 128B-swizzled operand: tile rows are K, columns are M (A) or N (B). addr = address of
 // row k0 of the first 64-column slab used (tile + k0 * 128 [+ s * slab_bytes]); for k-step ks,
 // k0 = 16 ks. slab_bytes = R * 128, the distance between 64-column slabs.

@@ -15,17 +15,18 @@
 // block) contribution is then exact and independent of the others:
 //   P = 2^(S * scale * log2 e - mref), acc_o += bf16(P) V, acc_l += sum(P)   (fp32, P unrounded for l)
 // and at the end o = acc_o / acc_l, lse = (mref + log2 acc_l) * ln 2. No merge, no second pass.
-// Overflow rule: if a row's max of S * scale * log2 e - mref exceeds 64 (log2 units) in some block,
-// overflow[t] = 1 and the caller recomputes token t exactly (query-major). Below that, a term is
-// <= 2^64 and a row sums at most 32 blocks x 128 keys of them: 2^64 * 2^12 * |v| stays far below
-// fp32's 2^128, so flagged tokens are the only ones whose o/lse may be wrong (inf or NaN).
+// Overflow rule: if a row's sum of P over some block exceeds 2^64 (any term above 2^64 does that),
+// overflow[t] = 1 and the caller recomputes token t exactly (query-major). Below that, a row sums
+// at most 32 blocks of <= 2^64: 2^69 * |v| stays far below fp32's 2^128, so flagged tokens are the
+// only ones whose o/lse may be wrong (inf or NaN).
 //
 // Why chunks: an fp32 accumulator for every token (512 MB per group at m3/64k) would live in HBM
 // and every reduce-add would be an HBM read-modify-write. Tokens are processed in chunks of C
-// (FLASHMSA_FWD_CHUNK overrides: a multiple of 128 >= 128) per proxy group p: acc_o [C, m, 128]
-// fp32, acc_l and mref [C, m], which stay in the H200's 50 MB L2 while the chunk is processed. S proxy groups (FLASHMSA_FWD_STREAMS,
+// (FLASHMSA_FWD_CHUNK overrides: a multiple of 128 >= 128; either is shrunk to keep the workspace
+// within its limit) per proxy group p: acc_o [C, m, 128] fp32, acc_l and mref [C, m], which stay
+// in the H200's 50 MB L2 while the chunk is processed. S proxy groups (FLASHMSA_FWD_STREAMS,
 // default 2, at most Hp) run concurrently, group p on helper stream p % S with that stream's own
-// accumulator (the default C then splits the 32 MB: 2048 tokens per stream at m = 16), forked
+// accumulator (the default C then splits 40 MB: 2560 tokens per stream at m = 16), forked
 // from and joined back to the caller's stream by events. Per (p, chunk), on its stream:
 //   finprep: finalize the previous (p, chunk) from the accumulator (o, lse) and in the same pass
 //            prepare this one (mref of its rows, accumulator zeroed);
@@ -82,8 +83,7 @@
 // sums commute and every run gives the same bits:
 //   Form::det_sum: S and P only (no V, no PV): each token's m row sums leave as int64 (one bulk
 //     .add.u64 of m * 8 bytes) into acc_l. A row is flagged (recomputed query-major, itself
-//     deterministic) when its best score exceeds the reference by more than 2^20 instead of 2^64,
-//     so every kept term P <= 2^20 and l <= 2^20 * 32 blocks * 128 keys.
+//     deterministic) when its sum over a block exceeds 2^20 instead of 2^64, so l <= 2^20 * K.
 //   kvw_det_mid_kernel: lse = (mref + log2 l) ln 2 written, and the row's reference becomes
 //     ref = mref + log2 l (rows with l < 2^-8 flagged).
 //   Form::det_out: the fast form's tile with P = 2^(S scale log2e - ref) <= 1, the normalised
@@ -143,10 +143,11 @@ constexpr int kMaxTiles = 32;                   // tiles per work item at most
 constexpr int kMaxItemTok = kMaxTiles * kRows / 4;  // tokens per item at most (m = 4)
 constexpr int kThreads = 384;
 constexpr int kConsumerThreads = 256;
-// Default chunk: the tokens whose fp32 output accumulator fills kAccBudget (4096 at m = 16).
+// Default chunk: the tokens whose S fp32 output accumulators fill kAccBudget together. One stream,
 // m3/64k, H200: C = 1024 / 2048 / 4096 / 8192 -> forward 25.7 / 19.4 / 17.6 / 21.8 ms (8192: 64 MB,
-// past the L2).
-constexpr size_t kAccBudget = size_t{32} << 20;
+// past the L2); two streams at b25b95f: 2048 / 2560 / 3072 per stream -> 13.38-13.49 / 13.32-13.34
+// / 13.31 ms (perf-notes).
+constexpr size_t kAccBudget = size_t{40} << 20;
 constexpr float kOverflowLog2 = 64.f;
 constexpr float kOverflowLog2Det = 20.f;  // deterministic form: bounds the fixed-point range of l
 
@@ -188,18 +189,20 @@ static_assert(oBar % 8 == 0 && oList % 16 == 0 && oStgL64 % 16 == 0,
 constexpr int kBarStg = 1;  // + consumer warpgroup index: its staging tile's two barriers
 
 // S (64 rows x 128 keys) = Q tile (K-major, 8 KB slabs) x K block^T (K-major, 16 KB slabs).
-__device__ __forceinline__ void issue_qk(float (&s)[64], uint32_t q_tile, uint32_t k_tile) {
+// q_desc / k_desc: wgmma_desc_sw128 of the Q tile (SBO kQGroup) and of the K tile.
+__device__ __forceinline__ void issue_qk(float (&s)[64], uint64_t q_desc, uint64_t k_desc) {
 #pragma unroll
   for (int ks = 0; ks < kD / 16; ++ks)
-    wgmma_ss_bf16<128, 0, 0>(s, wgmma_desc_sw128(q_tile + (ks >> 2) * 1024 + (ks & 3) * 32, kQGroup),
-                             wgmma_desc_sw128(k_tile + (ks >> 2) * kKSlab + (ks & 3) * 32), ks > 0);
+    wgmma_ss_bf16<128, 0, 0>(s, wgmma_desc_advance(q_desc, (ks >> 2) * 1024 + (ks & 3) * 32),
+                             wgmma_desc_advance(k_desc, (ks >> 2) * kKSlab + (ks & 3) * 32), ks > 0);
 }
 
 // O = P V: k-step kk covers keys 16kk..16kk+15 (rows of the V tile, read MN-major).
-__device__ __forceinline__ void issue_pv(float (&o)[64], const uint32_t (&pf)[8][4], uint32_t v_tile) {
+// v_desc: wgmma_desc_sw128_mn(V tile, kKSlab).
+__device__ __forceinline__ void issue_pv(float (&o)[64], const uint32_t (&pf)[8][4], uint64_t v_desc) {
 #pragma unroll
   for (int kk = 0; kk < kBlk / 16; ++kk)
-    wgmma_rs_bf16<128, 1>(o, pf[kk], wgmma_desc_sw128_mn(v_tile + kk * 16 * 128, kKSlab), kk > 0);
+    wgmma_rs_bf16<128, 1>(o, pf[kk], wgmma_desc_advance(v_desc, kk * 16 * 128), kk > 0);
 }
 
 // ---- plan: work items of every (proxy group, chunk) ------------------------------------------
@@ -235,7 +238,7 @@ __global__ void __launch_bounds__(kPlanThreads) kvw_plan_kernel(
     const int32_t* __restrict__ cu,       // [B+1]
     const int32_t* __restrict__ blk_off,  // [B+1] first global block of each sequence
     const int32_t* __restrict__ blk_seq,  // [NB] sequence of each global block
-    int NB, int K, int tok_per_tile, int64_t items_per_group,
+    int NB, int K, int tok_per_tile, int max_tiles, int64_t items_per_group,
     int4* __restrict__ items,             // [Hp, items_per_group]
     int32_t* __restrict__ n_items) {      // [Hp, n_chunks]
   __shared__ int warp_sums[kPlanThreads / 32];
@@ -256,7 +259,7 @@ __global__ void __launch_bounds__(kPlanThreads) kvw_plan_kernel(
       cnt = lower_bound_i32(vals, e0, end, hi_key) - e0;
       if (cnt > 0) {
         const int tiles = (cnt + tok_per_tile - 1) / tok_per_tile;
-        pieces = (tiles + kMaxTiles - 1) / kMaxTiles;
+        pieces = (tiles + max_tiles - 1) / max_tiles;
         per = (tiles + pieces - 1) / pieces * tok_per_tile;
         const int b = __ldg(blk_seq + g);
         krow = __ldg(cu + b) + (g - __ldg(blk_off + b)) * kBlk;
@@ -368,7 +371,7 @@ __global__ void __launch_bounds__(256) kvw_finprep_kernel(
 // The deterministic form between its passes, one thread per row R = token * M + hh of the chunk:
 // l = acc_l / fx_l (int64 sums of Form::det_sum), lse[h, t] = (mref + log2 l) ln 2, and the row's
 // reference for Form::det_out becomes mref + log2 l (its P are then the normalised probabilities).
-// overflow[t] = 1 where l < 2^-8: l's fixed-point quantum is ~2^-30, so a row far below its
+// overflow[t] = 1 where l < 2^-8: l's fixed-point quantum is ~2^-37 at K = 16, so a row far below its
 // reference (own block not selected) would lose digits long before 2^-64; with the own block l is
 // ~1 or more. A NaN l (non-finite v: fx_l is then NaN) is flagged too.
 template <int M>
@@ -412,7 +415,9 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
   static_assert(kRows % M == 0 && M % 4 == 0 && kMaxTiles * kTok <= kMaxItemTok, "group size");
   static_assert(F == Form::fast || M % 8 == 0, "the deterministic form is built for groups of 8 or 16 heads only");
   constexpr bool kWithV = F != Form::det_sum;  // det_sum: S and row sums only
-  constexpr float kOverflow = F == Form::det_sum ? kOverflowLog2Det : kOverflowLog2;
+  // A row is flagged when its sum over one block exceeds this (see softmax).
+  constexpr float kOverflowSum = F == Form::det_sum ? 0x1p20f : 0x1p64f;
+  static_assert(kOverflowLog2 == 64.f && kOverflowLog2Det == 20.f, "kOverflowSum = 2^kOverflowLog2");
   extern __shared__ __align__(16) unsigned char kvw_smem_raw[];
   // Offset from the shared array (not an integer round trip), so the compiler keeps LDS/STS.
   unsigned char* smem = kvw_smem_raw + ((1024u - (smem_u32(kvw_smem_raw) & 1023u)) & 1023u);
@@ -546,7 +551,13 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
   const bool issuer = own0 || own1;
   float* stg = sStg + cw * kRows * kD;
   const uint32_t stg_u32 = smem_u32(stg);
-  const uint32_t k_base = smem_u32(sK), v_base = smem_u32(sV), q_base = smem_u32(sQ);
+  const uint64_t k_desc = wgmma_desc_sw128(smem_u32(sK)), v_desc = wgmma_desc_sw128_mn(smem_u32(sV), kKSlab);
+  const uint64_t q_desc0 = wgmma_desc_sw128(smem_u32(sQ), kQGroup);  // stage 0
+  // Staging: column chunk j = 4a + b of a row goes to chunk 4a + (b ^ perm) (see the header), so
+  // four per-thread bases (b = 0..3) and immediate offsets (a, the second row) cover every store.
+  float* stg_base[4];
+#pragma unroll
+  for (int b = 0; b < 4; ++b) stg_base[b] = stg + r0 * kD + ((b ^ perm) << 3) + 2 * c;
 
   // Row metadata of one tile: tokens, references, mask limits (key column j is visible to a row
   // iff j <= lim: lim >= 127 everywhere but in the row token's own block), its Q stage.
@@ -563,7 +574,7 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
     tr.st = tg % kStages;
     wgmma_fence_operands(s);
     wgmma_fence();
-    issue_qk(s, q_base + tr.st * kQTile, k_base);
+    issue_qk(s, wgmma_desc_advance(q_desc0, tr.st * kQTile), k_desc);
     wgmma_commit();
     const int n = min(kTok, ntok - i * kTok);
     tr.ok0 = slot0 < n;
@@ -605,24 +616,21 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
       }
       return;
     }
-    float* row0 = stg + r0 * kD;
-    float* row1 = stg + r1 * kD;
-    if constexpr (F == Form::det_out) {
-      const float fx_o = __ldg(fx);
+    // det_out: O as int32 of the normalised output (the staging holds the bits either way).
+    const float fx_o = F == Form::det_out ? __ldg(fx) : 1.f;
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const int at = ((j ^ perm) << 3) + 2 * c;
-        *reinterpret_cast<int2*>(row0 + at) = make_int2(__float2int_rn(o[4 * j] * fx_o), __float2int_rn(o[4 * j + 1] * fx_o));
-        *reinterpret_cast<int2*>(row1 + at) =
-            make_int2(__float2int_rn(o[4 * j + 2] * fx_o), __float2int_rn(o[4 * j + 3] * fx_o));
+    for (int j = 0; j < 16; ++j) {
+      float* const at0 = stg_base[j & 3] + (j >> 2) * 32;  // row r0
+      float* const at1 = at0 + 8 * kD;                     // row r1 = r0 + 8
+      if constexpr (F == Form::det_out) {
+        *reinterpret_cast<int2*>(at0) = make_int2(__float2int_rn(o[4 * j] * fx_o), __float2int_rn(o[4 * j + 1] * fx_o));
+        *reinterpret_cast<int2*>(at1) = make_int2(__float2int_rn(o[4 * j + 2] * fx_o), __float2int_rn(o[4 * j + 3] * fx_o));
+      } else {
+        *reinterpret_cast<float2*>(at0) = make_float2(o[4 * j], o[4 * j + 1]);
+        *reinterpret_cast<float2*>(at1) = make_float2(o[4 * j + 2], o[4 * j + 3]);
       }
-    } else {
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const int at = ((j ^ perm) << 3) + 2 * c;
-        *reinterpret_cast<float2*>(row0 + at) = make_float2(o[4 * j], o[4 * j + 1]);
-        *reinterpret_cast<float2*>(row1 + at) = make_float2(o[4 * j + 2], o[4 * j + 3]);
-      }
+    }
+    if constexpr (F != Form::det_out) {
       // The row sums as plain reductions (4 bytes per row, a warp's 8 rows share a sector), not
       // bulk ops: the TMA unit, which carries the Q loads and O's bulk reduce-adds, then issues a
       // quarter fewer operations per tile.
@@ -663,17 +671,6 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
           if (col > ((e & 2) ? tr.lim1 : tr.lim0)) s[4 * j + e] = -INFINITY;
         }
     }
-    if constexpr (F != Form::det_out) {
-      float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
-        mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
-      }
-      // Overflow: this thread's part of the row suffices (any quad lane may flag the token).
-      if (tr.ok0 && fmaf(mx0, scale_log2, -tr.mr0) > kOverflow) overflow[tr.t0] = 1;
-      if (tr.ok1 && fmaf(mx1, scale_log2, -tr.mr1) > kOverflow) overflow[tr.t1] = 1;
-    }
     l0 = 0.f;
     l1 = 0.f;
 #pragma unroll
@@ -692,14 +689,16 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
       l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
       l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
       l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+      // Overflow from the row's sum over this block rather than its maximum (no 64-step max per
+      // tile): any term above the limit puts the sum above it, ex2 of a huge exponent gives inf
+      // and a NaN score (non-finite q or k) a NaN sum, all caught by one compare; a row whose
+      // terms stay below the limit but sum above it (at most 128 of them) is flagged too, which
+      // costs only its recompute. det_sum: fixed point would turn a non-finite sum into finite
+      // garbage, so the query-major recompute carries it as the fast form does.
+      if (tr.ok0 && !(l0 <= kOverflowSum)) overflow[tr.t0] = 1;
+      if (tr.ok1 && !(l1 <= kOverflowSum)) overflow[tr.t1] = 1;
     }
-    if constexpr (F == Form::det_sum) {
-      // Kept terms are <= 2^kOverflowLog2Det, so a non-finite row sum comes only from a non-finite
-      // q or k (a NaN score, a NaN or infinite mref). Fixed point would turn it into finite
-      // garbage: the token goes to the query-major recompute, which carries it as the fast form does.
-      if (tr.ok0 && !(l0 <= FLT_MAX)) overflow[tr.t0] = 1;
-      if (tr.ok1 && !(l1 <= FLT_MAX)) overflow[tr.t1] = 1;
-    } else {
+    if constexpr (F != Form::det_sum) {
 #pragma unroll
       for (int kk = 0; kk < 8; ++kk) acc_to_a_frag(pf[kk], s + 8 * kk);
     }
@@ -708,7 +707,7 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
     if constexpr (!kWithV) return;  // det_sum: S only (its wait<1> below then waits for nothing)
     wgmma_fence_operands(o);
     wgmma_fence();  // pf was written by ordinary instructions
-    issue_pv(o, pf, v_base);
+    issue_pv(o, pf, v_desc);
     wgmma_commit();
   };
 
@@ -813,7 +812,7 @@ int stream_count() {
 // FLASHMSA_FWD_CHUNK (tokens per chunk and stream; a multiple of 128, >= 128), read per call;
 // anything else (unset, malformed) gives the default: the S concurrent output accumulators (4
 // bytes per element in both forms) share kAccBudget, so that all of them stay in L2 together
-// (2048 tokens at m = 16, S = 2).
+// (2560 tokens at m = 16, S = 2).
 int chunk_tokens(int m, int streams) {
   const size_t per_token = static_cast<size_t>(m) * kD * 4 * static_cast<size_t>(streams);
   const int fallback = std::max(kBlk, static_cast<int>(kAccBudget / per_token / kBlk * kBlk));
@@ -825,10 +824,22 @@ int chunk_tokens(int m, int streams) {
   return static_cast<int>(v);
 }
 
+// FLASHMSA_FWD_ITEM_TILES (1 .. kMaxTiles), read per call: tiles per work item at most; anything
+// else gives kMaxTiles.
+int item_tiles() {
+  const char* s = std::getenv("FLASHMSA_FWD_ITEM_TILES");
+  if (s == nullptr || *s == '\0') return kMaxTiles;
+  char* end = nullptr;
+  const long v = std::strtol(s, &end, 10);
+  if (*end != '\0' || v < 1 || v > kMaxTiles) return kMaxTiles;
+  return static_cast<int>(v);
+}
+
 struct KvwPlan {
   SelectionIndexPlan sel;
   Workspace ws;
   int m = 0, tok_per_tile = 0, C = 0, Ceff = 0, n_chunks = 0;
+  int max_tiles = kMaxTiles;    // tiles per work item at most (FLASHMSA_FWD_ITEM_TILES)
   int S = 1;                    // concurrent group sequences (helper streams), <= Hp
   std::vector<int> c0, c1, g_lo, nb;
   std::vector<int64_t> off;     // per chunk: first item slot inside a group's region
@@ -842,8 +853,9 @@ struct KvwPlan {
   size_t o_fx = 0;                   // deterministic form: max|v| bits, fx_o, fx_l
 };
 
-// Sizes and chunk ranges from the host copy of cu_seqlens (O(B + chunks log B) host work).
-KvwPlan plan_kvw(const MsaParams& p, int streams) {
+// Sizes and chunk ranges for chunks of C tokens, from the host copy of cu_seqlens (O(B + chunks
+// log B) host work).
+KvwPlan plan_kvw_chunks(const MsaParams& p, int streams, int C) {
   const bool det = p.deterministic;  // the two-pass fixed-point form
   KvwPlan pl;
   pl.sel = selection_index_sizes(p);
@@ -851,7 +863,8 @@ KvwPlan plan_kvw(const MsaParams& p, int streams) {
   pl.m = p.H / p.Hp;
   pl.tok_per_tile = kRows / pl.m;
   pl.S = std::max(1, std::min(streams, p.Hp));
-  pl.C = chunk_tokens(pl.m, pl.S);
+  pl.C = C;
+  pl.max_tiles = item_tiles();
   pl.Ceff = static_cast<int>(std::min<int64_t>(pl.C, p.T));
   pl.n_chunks = static_cast<int>((p.T + pl.C - 1) / pl.C);
   const int32_t* cu = p.cu_seqlens_host;
@@ -872,7 +885,7 @@ KvwPlan plan_kvw(const MsaParams& p, int streams) {
     // Items: sum over blocks of ceil(tiles / kMaxTiles) <= nb + (sum of tiles) / kMaxTiles, and
     // sum of tiles <= entries / tok_per_tile + nb with entries <= tokens * K.
     const int64_t entries = (z - a) * p.top_k;
-    const int64_t bound = nb + ((entries + pl.tok_per_tile - 1) / pl.tok_per_tile + nb) / kMaxTiles + 1;
+    const int64_t bound = nb + ((entries + pl.tok_per_tile - 1) / pl.tok_per_tile + nb) / pl.max_tiles + 1;
     pl.c0.push_back(static_cast<int>(a));
     pl.c1.push_back(static_cast<int>(z));
     pl.g_lo.push_back(g_lo);
@@ -900,6 +913,29 @@ KvwPlan plan_kvw(const MsaParams& p, int streams) {
   }
   if (det) pl.o_fx = pl.ws.add(3 * sizeof(float));
   return pl;
+}
+
+// The path's workspace limit: size(q) / 2 (performance.md's rule, which matters at scale), or
+// 64 MiB: small problems (a few thousand tokens) would otherwise lose the path to the index's
+// fixed costs.
+size_t kvw_workspace_limit(const MsaParams& p) {
+  return std::max<size_t>(static_cast<size_t>(p.T) * p.H * p.D, size_t{64} << 20);
+}
+
+// The plan with the default (or FLASHMSA_FWD_CHUNK's) chunk, shrunk by eighths while the
+// workspace exceeds the limit: a chunk larger than the problem affords costs a little speed, where
+// a workspace over the limit would cost the whole path (the caller then takes the query-major
+// kernel, ~4x slower at fm16k).
+KvwPlan plan_kvw(const MsaParams& p, int streams) {
+  const int S = std::max(1, std::min(streams, p.Hp));
+  // A chunk past the sequence end changes nothing: start at most one block-rounded T.
+  int C = static_cast<int>(std::min<int64_t>(chunk_tokens(p.H / p.Hp, S), (p.T + kBlk - 1) / kBlk * kBlk));
+  const size_t limit = kvw_workspace_limit(p);
+  for (;;) {
+    KvwPlan pl = plan_kvw_chunks(p, streams, C);
+    if (pl.ws.size() <= limit || C <= kBlk) return pl;
+    C = std::max(kBlk, C - std::max(kBlk, C / 8 / kBlk * kBlk));
+  }
 }
 
 // Helper stream i of `device` for the calling host thread: created on first use (non-blocking, so
@@ -1009,7 +1045,7 @@ class StreamFork {
 };
 
 // The deterministic form's fixed-point factors (fx: [3] = max|v| as float bits, fx_o, fx_l):
-// fx_l (int64) from l <= K blocks x 128 keys x 2^kOverflowLog2Det (kept terms of det_sum);
+// fx_l (int64) from l <= K blocks x 2^kOverflowLog2Det (det_sum flags a larger block sum);
 // fx_o (int32) from |o| <= (sum of a row's bf16(P)) max|v| <= 2 max|v| (det_out's P are the
 // normalised probabilities, each rounded to bf16). A non-finite v makes both factors NaN: every
 // row's l is then NaN, kvw_det_mid_kernel flags it and the query-major kernel recomputes it,
@@ -1017,7 +1053,7 @@ class StreamFork {
 // sums over NaN terms (a slow path, taken only for such inputs). A non-finite q or k is caught per
 // token by det_sum (its row sum).
 __global__ void kvw_det_factors_kernel(int K, float* __restrict__ fx) {
-  const float l_bound = ldexpf(static_cast<float>(K) * kBlk, static_cast<int>(kOverflowLog2Det));
+  const float l_bound = ldexpf(static_cast<float>(K), static_cast<int>(kOverflowLog2Det));
   fx[1] = fixed_point_factor(2.f * fx[0], 30);  // fx[0]: non-negative float bits read as a float
   fx[2] = fixed_point_factor(l_bound);
   if (!isfinite(fx[0])) fx[1] = fx[2] = __int_as_float(0x7fc00000);
@@ -1082,7 +1118,7 @@ void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
       kvw_plan_kernel<<<dim3(pb.n, p.Hp), kPlanThreads, 0, stream>>>(
           pb, cb, pl.n_chunks, ws.at<int32_t>(pl.sel.o_seg), ws.at<int32_t>(pl.sel.o_vals_out), p.cu_seqlens,
           ws.at<int32_t>(pl.sel.o_blk_off), ws.at<int32_t>(pl.sel.o_blk_seq), pl.sel.NB, p.top_k, pl.tok_per_tile,
-          pl.items_per_group, items, n_items);
+          pl.max_tiles, pl.items_per_group, items, n_items);
       FLASHMSA_CHECK_LAUNCH();
     }
 
@@ -1174,11 +1210,10 @@ bool kv_wgmma_forward_applies(const MsaParams& p) {
   if (p.deterministic && (m == 4 || det_forward_forced_query())) return false;
   if ((p.H / p.Hkv) % m != 0) return false;  // a group lies inside one kv head
   if (static_cast<int64_t>(p.Hp) * p.T * p.top_k >= INT32_MAX) return false;
-  // Workspace <= size(q) / 2 (performance.md's rule, which matters at scale), or <= 64 MiB: small
-  // problems (a few thousand tokens) would otherwise lose the path to the index's fixed costs.
-  const size_t limit = std::max<size_t>(static_cast<size_t>(p.T) * p.H * p.D, size_t{64} << 20);
   // The plan with one stream too: run_kvw falls back to one lane where its helper streams are taken
-  // by another capture (usable_lanes).
+  // by another capture (usable_lanes). plan_kvw shrinks the chunk to fit; what is left over the
+  // limit is the selection index itself.
+  const size_t limit = kvw_workspace_limit(p);
   return std::max(plan_kvw(p, stream_count()).ws.size(), plan_kvw(p, 1).ws.size()) <= limit;
 }
 
