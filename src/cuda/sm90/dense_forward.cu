@@ -96,20 +96,20 @@ __device__ __forceinline__ void online_softmax(float (&s)[64], RowStats& st, flo
 }
 
 __device__ __forceinline__ void issue_qk(float (&s)[64], uint32_t q_base, uint32_t k_tile) {
+  const uint64_t q_desc = wgmma_desc_sw128(q_base), k_desc = wgmma_desc_sw128(k_tile);
 #pragma unroll
   for (int ks = 0; ks < kHeadDim / 16; ++ks) {
     const uint32_t off = (ks / 4) * kSlabBytes + (ks % 4) * 32;
-    wgmma_ss_bf16<128, 0, 0>(s, wgmma_desc_sw128(q_base + off), wgmma_desc_sw128(k_tile + off),
-                             ks > 0);
+    wgmma_ss_bf16<128, 0, 0>(s, wgmma_desc_advance(q_desc, off), wgmma_desc_advance(k_desc, off), ks > 0);
   }
 }
 
 // O += P V: k-step kk covers keys 16kk .. 16kk+15, i.e. rows of the V tile (MN-major B).
 __device__ __forceinline__ void issue_pv(float (&o)[64], const uint32_t (&pf)[8][4],
                                          uint32_t v_tile) {
+  const uint64_t v_desc = wgmma_desc_sw128_mn(v_tile, kSlabBytes);
 #pragma unroll
-  for (int kk = 0; kk < kBlk / 16; ++kk)
-    wgmma_rs_bf16<128, 1>(o, pf[kk], wgmma_desc_sw128_mn(v_tile + kk * 16 * 128, kSlabBytes), 1);
+  for (int kk = 0; kk < kBlk / 16; ++kk) wgmma_rs_bf16<128, 1>(o, pf[kk], wgmma_desc_advance(v_desc, kk * 16 * 128), 1);
 }
 
 __global__ void __launch_bounds__(kThreads, 1)

@@ -137,8 +137,8 @@ __global__ void __launch_bounds__(SelectTiles<DP>::kThreads, 1)
     vals[i] = -INFINITY;
     idx[i] = -1;
   }
-  const uint32_t q_base = smem_u32(q_s) + half * 64 * 128;
-  const uint32_t k_base = smem_u32(k_s);
+  const uint64_t q_desc = wgmma_desc_sw128(smem_u32(q_s) + half * 64 * 128);
+  const uint64_t k_desc0 = wgmma_desc_sw128(smem_u32(k_s));  // stage 0
   mbarrier_wait(q_full, 0);
 
   float acc[64];
@@ -147,11 +147,11 @@ __global__ void __launch_bounds__(SelectTiles<DP>::kThreads, 1)
     mbarrier_wait(k_full + s, (n / kStages) & 1);
     wgmma_fence_operands(acc);
     wgmma_fence();
+    const uint64_t k_desc = wgmma_desc_advance(k_desc0, s * Tiles::kTileBytes);
 #pragma unroll
     for (int ks = 0; ks < DP / 16; ++ks) {
       const uint32_t slab_off = (ks / 4) * Tiles::kSlabBytes + (ks % 4) * 32;
-      wgmma_m64n128k16_bf16(acc, wgmma_desc_sw128(q_base + slab_off),
-                            wgmma_desc_sw128(k_base + s * Tiles::kTileBytes + slab_off), ks > 0);
+      wgmma_m64n128k16_bf16(acc, wgmma_desc_advance(q_desc, slab_off), wgmma_desc_advance(k_desc, slab_off), ks > 0);
     }
     wgmma_commit();
     wgmma_wait<0>();
