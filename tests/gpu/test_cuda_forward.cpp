@@ -544,7 +544,7 @@ TEST(CudaForward, ForwardPathRouting) {
   run_paths(shape(32, 2, 2, 1, 128, 8, {1400}), 82, "wgmma", 3);
   // m = 2: no wgmma forward; the mma KV-major kernel (fused KL) is the default.
   run_paths(shape(8, 2, 4, 4, 128, 8, {1500, 260}), 83, "kv", 2);
-  // A chunk override far past the workspace limit (two 9088-token m = 16 accumulators: 149 MB
+  // A chunk override far past the workspace limit (two 9000-token m = 16 accumulators: 150 MB
   // against 64 MiB) is shrunk to fit; the path stays wgmma instead of falling back to query-major.
   {
     ScopedEnv chunk("FLASHMSA_FWD_CHUNK", "16777216");
@@ -670,7 +670,8 @@ TEST(CudaForward, WgmmaKvOverflowRowsRecomputed) {
   GPUTEST_REQUIRE_DEVICE();
   check_overflow_recomputed(shape(32, 2, 2, 1, 128, 8, {1900, 700}), 148);  // m = 16
   check_overflow_recomputed(shape(16, 2, 4, 1, 128, 8, {1900, 700}), 153);  // m = 4
-  // The deterministic (two-pass fixed-point) form flags rows 2^20 above the reference: same inputs.
+  // The deterministic (two-pass fixed-point) form flags rows whose sum over a block exceeds 2^20
+  // (2^64 in the fast form): same inputs.
   check_overflow_recomputed(shape(32, 2, 2, 1, 128, 8, {1900, 700}), 148, /*det=*/true);
 }
 

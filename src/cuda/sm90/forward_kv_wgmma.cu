@@ -33,7 +33,8 @@
 //   main:    one persistent CTA per SM takes work items (below) from a counter until none is left.
 // Work items: a plan kernel (once, all chunks and groups) binary-searches each key block's list
 // of the inverted selection index (common/selection_index.cuh; ascending in t) for the entries of
-// the chunk and cuts them into pieces of at most kMaxTiles tiles, so a heavily selected block
+// the chunk and cuts them into pieces of at most max_tiles tiles (kMaxTiles unless
+// FLASHMSA_FWD_ITEM_TILES says fewer), so a heavily selected block
 // (block 0, the recent blocks) is spread over several CTAs instead of serialising one, and blocks
 // no token of the chunk selected cost nothing.
 //
@@ -53,8 +54,8 @@
 //     token's row sums each cost 2-12% of the forward (perf-notes).
 //   consumer, per tile: S = Q K^T (SS, 64 x 128 x 128), the Q stage released, the causal mask only
 //     where a row's token lies in the block (the own block: the only partially visible block; it
-//     also hides keys past the sequence end), P = 2^(S scale log2e - mref), overflow check, row
-//     sums (quad shuffles), O = P V (RS, V MN-major), then O and l into the warpgroup's fp32
+//     also hides keys past the sequence end), P = 2^(S scale log2e - mref), row sums (quad
+//     shuffles) and the overflow check on them, O = P V (RS, V MN-major), then O and l into the warpgroup's fp32
 //     staging tile and, per token, ONE bulk reduce-add of its m rows (m * 512 bytes) into the
 //     chunk accumulator (cp.reduce.async.bulk .add.f32), issued by the thread that holds the
 //     token's first row; the row sums go as red.f32 from registers (bulk ops of m * 4 bytes were a
@@ -229,7 +230,7 @@ __device__ __forceinline__ int lower_bound_i32(const int32_t* __restrict__ v, in
 }
 
 // Grid (chunks of the batch, Hp). For each block of the chunk's range: the list entries of
-// tokens in [c0, c1), cut into pieces of at most kMaxTiles tiles (equal tile counts), written as
+// tokens in [c0, c1), cut into pieces of at most max_tiles tiles (equal tile counts), written as
 // items {first key row (packed), e0, e1, 0}; then the item count of (p, chunk).
 __global__ void __launch_bounds__(kPlanThreads) kvw_plan_kernel(
     const __grid_constant__ PlanBatch pb, int chunk_base, int n_chunks,
@@ -657,8 +658,9 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
     }
   };
 
-  // Softmax of a finished S (this thread's two rows): causal mask in the own block, overflow
-  // flags, P = 2^(S scale log2e - mref) into the bf16 A fragments of the PV product, row sums.
+  // Softmax of a finished S (this thread's two rows): causal mask in the own block,
+  // P = 2^(S scale log2e - mref) into the bf16 A fragments of the PV product, row sums and the
+  // overflow flags from them.
   // det_out: no flags and no sums (mref = the row's lse in log2 units: P <= 1; a row flagged by
   // det_sum is recomputed whatever it gets here); det_sum: no A fragments.
   auto softmax = [&](float (&s)[64], const TileRows& tr, uint32_t (&pf)[8][4], float& l0, float& l1) {
@@ -812,7 +814,7 @@ int stream_count() {
 // FLASHMSA_FWD_CHUNK (tokens per chunk and stream; a multiple of 128, >= 128), read per call;
 // anything else (unset, malformed) gives the default: the S concurrent output accumulators (4
 // bytes per element in both forms) share kAccBudget, so that all of them stay in L2 together
-// (2560 tokens at m = 16, S = 2).
+// (2560 tokens at m = 16, S = 2). plan_kvw may shrink either (see there).
 int chunk_tokens(int m, int streams) {
   const size_t per_token = static_cast<size_t>(m) * kD * 4 * static_cast<size_t>(streams);
   const int fallback = std::max(kBlk, static_cast<int>(kAccBudget / per_token / kBlk * kBlk));
@@ -851,6 +853,7 @@ struct KvwPlan {
   size_t o_acc = 0, acc_stride = 0;  // S chunk accumulators {acc_o, acc_l, mref}, acc_stride bytes apart
   size_t d_acc_l = 0, d_mref = 0;    // offsets of acc_l and mref inside one accumulator
   size_t o_fx = 0;                   // deterministic form: max|v| bits, fx_o, fx_l
+  size_t index_bytes = 0;            // the selection index's share (independent of the chunk)
 };
 
 // Sizes and chunk ranges for chunks of C tokens, from the host copy of cu_seqlens (O(B + chunks
@@ -860,6 +863,7 @@ KvwPlan plan_kvw_chunks(const MsaParams& p, int streams, int C) {
   KvwPlan pl;
   pl.sel = selection_index_sizes(p);
   reserve_selection_index(pl.sel, p, pl.ws, nullptr);
+  pl.index_bytes = pl.ws.size();
   pl.m = p.H / p.Hp;
   pl.tok_per_tile = kRows / pl.m;
   pl.S = std::max(1, std::min(streams, p.Hp));
@@ -882,7 +886,7 @@ KvwPlan plan_kvw_chunks(const MsaParams& p, int streams, int C) {
     const int g_lo = blk_off[s_lo];
     const int g_hi = blk_off[s_hi] + static_cast<int>((z - 1 - cu[s_hi]) / kBlk);
     const int nb = g_hi - g_lo + 1;
-    // Items: sum over blocks of ceil(tiles / kMaxTiles) <= nb + (sum of tiles) / kMaxTiles, and
+    // Items: sum over blocks of ceil(tiles / max_tiles) <= nb + (sum of tiles) / max_tiles, and
     // sum of tiles <= entries / tok_per_tile + nb with entries <= tokens * K.
     const int64_t entries = (z - a) * p.top_k;
     const int64_t bound = nb + ((entries + pl.tok_per_tile - 1) / pl.tok_per_tile + nb) / pl.max_tiles + 1;
@@ -923,7 +927,8 @@ size_t kvw_workspace_limit(const MsaParams& p) {
 }
 
 // The plan with the default (or FLASHMSA_FWD_CHUNK's) chunk, shrunk by eighths while the
-// workspace exceeds the limit: a chunk larger than the problem affords costs a little speed, where
+// workspace exceeds the limit (the items grow a little as the chunk shrinks, the accumulators much
+// more; a small FLASHMSA_FWD_ITEM_TILES, which raises the item bound, can shrink the chunk too): a chunk larger than the problem affords costs a little speed, where
 // a workspace over the limit would cost the whole path (the caller then takes the query-major
 // kernel, ~4x slower at fm16k).
 KvwPlan plan_kvw(const MsaParams& p, int streams) {
@@ -933,7 +938,8 @@ KvwPlan plan_kvw(const MsaParams& p, int streams) {
   const size_t limit = kvw_workspace_limit(p);
   for (;;) {
     KvwPlan pl = plan_kvw_chunks(p, streams, C);
-    if (pl.ws.size() <= limit || C <= kBlk) return pl;
+    // No chunk fits when the index alone does not: no walk down to 128 tokens then.
+    if (pl.ws.size() <= limit || C <= kBlk || pl.index_bytes >= limit) return pl;
     C = std::max(kBlk, C - std::max(kBlk, C / 8 / kBlk * kBlk));
   }
 }
@@ -1211,8 +1217,7 @@ bool kv_wgmma_forward_applies(const MsaParams& p) {
   if ((p.H / p.Hkv) % m != 0) return false;  // a group lies inside one kv head
   if (static_cast<int64_t>(p.Hp) * p.T * p.top_k >= INT32_MAX) return false;
   // The plan with one stream too: run_kvw falls back to one lane where its helper streams are taken
-  // by another capture (usable_lanes). plan_kvw shrinks the chunk to fit; what is left over the
-  // limit is the selection index itself.
+  // by another capture (usable_lanes). plan_kvw shrinks the chunk to fit where it can.
   const size_t limit = kvw_workspace_limit(p);
   return std::max(plan_kvw(p, stream_count()).ws.size(), plan_kvw(p, 1).ws.size()) <= limit;
 }
