@@ -797,45 +797,37 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
 
 // ---- host side ----------------------------------------------------------------------------------
 
-// FLASHMSA_FWD_STREAMS (1 .. kMaxStreams), read per call: how many proxy groups run their
-// (finprep, main) sequences concurrently, each on its own helper stream with its own accumulator.
-// 1 keeps everything on the caller's stream (no events). Anything else gives the default.
-constexpr int kMaxStreams = 4;
-constexpr int kDefaultStreams = 2;
-int stream_count() {
-  const char* s = std::getenv("FLASHMSA_FWD_STREAMS");
-  if (s == nullptr || *s == '\0') return kDefaultStreams;
-  char* end = nullptr;
-  const long v = std::strtol(s, &end, 10);
-  if (*end != '\0' || v < 1 || v > kMaxStreams) return kDefaultStreams;
-  return static_cast<int>(v);
-}
-
-// FLASHMSA_FWD_CHUNK (tokens per chunk and stream; a multiple of 128, >= 128), read per call;
-// anything else (unset, malformed) gives the default: the S concurrent output accumulators (4
-// bytes per element in both forms) share kAccBudget, so that all of them stay in L2 together
-// (2560 tokens at m = 16, S = 2). plan_kvw may shrink either (see there).
-int chunk_tokens(int m, int streams) {
-  const size_t per_token = static_cast<size_t>(m) * kD * 4 * static_cast<size_t>(streams);
-  const int fallback = std::max(kBlk, static_cast<int>(kAccBudget / per_token / kBlk * kBlk));
-  const char* s = std::getenv("FLASHMSA_FWD_CHUNK");
+// An integer knob of the environment in [lo, hi], read per call; unset, malformed or out of range
+// gives `fallback`.
+int env_int(const char* name, long lo, long hi, int fallback) {
+  const char* s = std::getenv(name);
   if (s == nullptr || *s == '\0') return fallback;
   char* end = nullptr;
   const long v = std::strtol(s, &end, 10);
-  if (*end != '\0' || v < 128 || v % 128 != 0 || v > (1L << 24)) return fallback;
+  if (*end != '\0' || v < lo || v > hi) return fallback;
   return static_cast<int>(v);
 }
 
-// FLASHMSA_FWD_ITEM_TILES (1 .. kMaxTiles), read per call: tiles per work item at most; anything
-// else gives kMaxTiles.
-int item_tiles() {
-  const char* s = std::getenv("FLASHMSA_FWD_ITEM_TILES");
-  if (s == nullptr || *s == '\0') return kMaxTiles;
-  char* end = nullptr;
-  const long v = std::strtol(s, &end, 10);
-  if (*end != '\0' || v < 1 || v > kMaxTiles) return kMaxTiles;
-  return static_cast<int>(v);
+// FLASHMSA_FWD_STREAMS (1 .. kMaxStreams): how many proxy groups run their (finprep, main)
+// sequences concurrently, each on its own helper stream with its own accumulator. 1 keeps
+// everything on the caller's stream (no events).
+constexpr int kMaxStreams = 4;
+constexpr int kDefaultStreams = 2;
+int stream_count() { return env_int("FLASHMSA_FWD_STREAMS", 1, kMaxStreams, kDefaultStreams); }
+
+// FLASHMSA_FWD_CHUNK (tokens per chunk and stream; a multiple of 128, >= 128); anything else gives
+// the default: the S concurrent output accumulators (4 bytes per element in both forms) share
+// kAccBudget, so that all of them stay in L2 together (2560 tokens at m = 16, S = 2). plan_kvw may
+// shrink either (see there).
+int chunk_tokens(int m, int streams) {
+  const size_t per_token = static_cast<size_t>(m) * kD * 4 * static_cast<size_t>(streams);
+  const int fallback = std::max(kBlk, static_cast<int>(kAccBudget / per_token / kBlk * kBlk));
+  const int v = env_int("FLASHMSA_FWD_CHUNK", kBlk, 1L << 24, fallback);
+  return v % kBlk == 0 ? v : fallback;
 }
+
+// FLASHMSA_FWD_ITEM_TILES (1 .. kMaxTiles): tiles per work item at most.
+int item_tiles() { return env_int("FLASHMSA_FWD_ITEM_TILES", 1, kMaxTiles, kMaxTiles); }
 
 struct KvwPlan {
   SelectionIndexPlan sel;
