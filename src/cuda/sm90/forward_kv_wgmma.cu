@@ -55,9 +55,9 @@
 //   consumer, per tile: S = Q K^T (SS, 64 x 128 x 128), the Q stage released, the causal mask only
 //     where a row's token lies in the block (the own block: the only partially visible block; it
 //     also hides keys past the sequence end), P = 2^(S scale log2e - mref), row sums (quad
-//     shuffles) and the overflow check on them, O = P V (RS, V MN-major), then O and l into the warpgroup's fp32
-//     staging tile and, per token, ONE bulk reduce-add of its m rows (m * 512 bytes) into the
-//     chunk accumulator (cp.reduce.async.bulk .add.f32), issued by the thread that holds the
+//     shuffles) and the overflow check on them, O = P V (RS, V MN-major), then O and l into the
+//     warpgroup's fp32 staging tile and, per token, ONE bulk reduce-add of its m rows (m * 512
+//     bytes) into the chunk accumulator (cp.reduce.async.bulk .add.f32), issued by the thread that holds the
 //     token's first row; the row sums go as red.f32 from registers (bulk ops of m * 4 bytes were a
 //     quarter of the TMA unit's operations per tile and cost ~2% of the forward). Software-pipelined inside the warpgroup (within
 //     an item): its next tile's S goes out right behind this tile's PV, so S(next) runs on the
@@ -919,10 +919,10 @@ size_t kvw_workspace_limit(const MsaParams& p) {
 }
 
 // The plan with the default (or FLASHMSA_FWD_CHUNK's) chunk, shrunk by eighths while the
-// workspace exceeds the limit (the items grow a little as the chunk shrinks, the accumulators much
-// more; a small FLASHMSA_FWD_ITEM_TILES, which raises the item bound, can shrink the chunk too): a chunk larger than the problem affords costs a little speed, where
-// a workspace over the limit would cost the whole path (the caller then takes the query-major
-// kernel, ~4x slower at fm16k).
+// workspace exceeds the limit: a smaller chunk costs a little speed, a workspace over the limit
+// the whole path (the caller then takes the query-major kernel, ~4x slower at fm16k). The
+// accumulators shrink with the chunk while the item lists grow a little; a small
+// FLASHMSA_FWD_ITEM_TILES raises the item bound and can shrink the chunk too.
 KvwPlan plan_kvw(const MsaParams& p, int streams) {
   const int S = std::max(1, std::min(streams, p.Hp));
   // A chunk past the sequence end changes nothing: start at most one block-rounded T.
