@@ -29,30 +29,24 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 
 // A [rows, heads, cols] bf16 tensor (cols contiguous, row stride heads * cols) seen by TMA as a
-// 3-d map with a box of 64 columns x box_heads heads x box_rows rows, written to shared memory
-// with the 128-byte swizzle that wgmma_desc_sw128 describes. Rows past `rows` read as zeros.
-inline CUtensorMap make_bf16_map(const void* base, int64_t rows, int heads, int cols, int box_heads,
-                                 int box_rows) {
-  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+// 3-d map with a box of 64 columns x 1 head x box_rows rows (a tile of rows of one head), written
+// to shared memory with the 128-byte swizzle that wgmma_desc_sw128 describes. Rows past `rows`
+// read as zeros.
+inline CUtensorMap make_bf16_row_map(const void* base, int64_t rows, int heads, int cols, int box_rows) {
   CUtensorMap map{};
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(heads),
                               static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols) * 2,
                                  static_cast<cuuint64_t>(cols) * 2 * heads};
-  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(box_heads), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t box[3] = {64, 1, static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t elem_strides[3] = {1, 1, 1};
-  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base),
-                            dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base),
+                                          dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     throw Error("flashmsa: cuTensorMapEncodeTiled failed with CUresult " + std::to_string(r));
   return map;
-}
-
-// Box of 64 columns x 1 head x box_rows rows: a tile of rows of one head.
-inline CUtensorMap make_bf16_row_map(const void* base, int64_t rows, int heads, int cols, int box_rows) {
-  return make_bf16_map(base, rows, heads, cols, 1, box_rows);
 }
 
 // The rows of q [T, H, 128] as a 5-D map {64 columns, R heads, 2 slabs, H / R head groups, T}

@@ -109,7 +109,8 @@ __device__ __forceinline__ void issue_pv(float (&o)[64], const uint32_t (&pf)[8]
                                          uint32_t v_tile) {
   const uint64_t v_desc = wgmma_desc_sw128_mn(v_tile, kSlabBytes);
 #pragma unroll
-  for (int kk = 0; kk < kBlk / 16; ++kk) wgmma_rs_bf16<128, 1>(o, pf[kk], wgmma_desc_advance(v_desc, kk * 16 * 128), 1);
+  for (int kk = 0; kk < kBlk / 16; ++kk)
+    wgmma_rs_bf16<128, 1>(o, pf[kk], wgmma_desc_advance(v_desc, kk * 16 * 128), 1);
 }
 
 __global__ void __launch_bounds__(kThreads, 1)

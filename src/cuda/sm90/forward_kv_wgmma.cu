@@ -57,11 +57,12 @@
 //     also hides keys past the sequence end), P = 2^(S scale log2e - mref), row sums (quad
 //     shuffles) and the overflow check on them, O = P V (RS, V MN-major), then O and l into the
 //     warpgroup's fp32 staging tile and, per token, ONE bulk reduce-add of its m rows (m * 512
-//     bytes) into the chunk accumulator (cp.reduce.async.bulk .add.f32), issued by the thread that holds the
-//     token's first row; the row sums go as red.f32 from registers (bulk ops of m * 4 bytes were a
-//     quarter of the TMA unit's operations per tile and cost ~2% of the forward). Software-pipelined inside the warpgroup (within
-//     an item): its next tile's S goes out right behind this tile's PV, so S(next) runs on the
-//     tensor core during this tile's PV wait, staging and reduce-add issue. The staging
+//     bytes) into the chunk accumulator (cp.reduce.async.bulk .add.f32), issued by the thread that
+//     holds the token's first row; the row sums go as red.f32 from registers (bulk ops of m * 4
+//     bytes were a quarter of the TMA unit's operations per tile and cost ~2% of the forward).
+//     Software-pipelined inside the warpgroup (within an item): its next tile's S goes out right
+//     behind this tile's PV, so S(next) runs on the tensor core during this tile's PV wait,
+//     staging and reduce-add issue. The staging
 //     rows store 8-float chunk j at position j ^ (row & 3) so the accumulator-layout stores hit 4
 //     bank groups x 2 rows (2 wavefronts per 256 bytes, the minimum); the accumulator keeps that
 //     permutation (row & 3 = head-in-group & 3) and finprep undoes it.
@@ -149,8 +150,10 @@ constexpr int kConsumerThreads = 256;
 // past the L2); two streams at b25b95f: 2048 / 2560 / 3072 per stream -> 13.38-13.49 / 13.32-13.34
 // / 13.31 ms (perf-notes).
 constexpr size_t kAccBudget = size_t{40} << 20;
-constexpr float kOverflowLog2 = 64.f;
-constexpr float kOverflowLog2Det = 20.f;  // deterministic form: bounds the fixed-point range of l
+// A row is flagged (recomputed query-major) when its sum of P over one block exceeds this: the fast
+// form's o stays finite below it; the deterministic first pass's bound on l's fixed-point range.
+constexpr float kOverflowSum = 0x1p64f;
+constexpr float kOverflowSumDet = 0x1p20f;
 
 // What a main-kernel launch computes (the deterministic form takes two launches per (p, chunk)).
 enum class Form { fast, det_sum, det_out };
@@ -416,9 +419,7 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
   static_assert(kRows % M == 0 && M % 4 == 0 && kMaxTiles * kTok <= kMaxItemTok, "group size");
   static_assert(F == Form::fast || M % 8 == 0, "the deterministic form is built for groups of 8 or 16 heads only");
   constexpr bool kWithV = F != Form::det_sum;  // det_sum: S and row sums only
-  // A row is flagged when its sum over one block exceeds this (see softmax).
-  constexpr float kOverflowSum = F == Form::det_sum ? 0x1p20f : 0x1p64f;
-  static_assert(kOverflowLog2 == 64.f && kOverflowLog2Det == 20.f, "kOverflowSum = 2^kOverflowLog2");
+  constexpr float kRowLimit = F == Form::det_sum ? kOverflowSumDet : kOverflowSum;  // see softmax
   extern __shared__ __align__(16) unsigned char kvw_smem_raw[];
   // Offset from the shared array (not an integer round trip), so the compiler keeps LDS/STS.
   unsigned char* smem = kvw_smem_raw + ((1024u - (smem_u32(kvw_smem_raw) & 1023u)) & 1023u);
@@ -624,8 +625,10 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
       float* const at0 = stg_base[j & 3] + (j >> 2) * 32;  // row r0
       float* const at1 = at0 + 8 * kD;                     // row r1 = r0 + 8
       if constexpr (F == Form::det_out) {
-        *reinterpret_cast<int2*>(at0) = make_int2(__float2int_rn(o[4 * j] * fx_o), __float2int_rn(o[4 * j + 1] * fx_o));
-        *reinterpret_cast<int2*>(at1) = make_int2(__float2int_rn(o[4 * j + 2] * fx_o), __float2int_rn(o[4 * j + 3] * fx_o));
+        *reinterpret_cast<int2*>(at0) =
+            make_int2(__float2int_rn(o[4 * j] * fx_o), __float2int_rn(o[4 * j + 1] * fx_o));
+        *reinterpret_cast<int2*>(at1) =
+            make_int2(__float2int_rn(o[4 * j + 2] * fx_o), __float2int_rn(o[4 * j + 3] * fx_o));
       } else {
         *reinterpret_cast<float2*>(at0) = make_float2(o[4 * j], o[4 * j + 1]);
         *reinterpret_cast<float2*>(at1) = make_float2(o[4 * j + 2], o[4 * j + 3]);
@@ -697,8 +700,8 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
       // terms stay below the limit but sum above it (at most 128 of them) is flagged too, which
       // costs only its recompute. det_sum: fixed point would turn a non-finite sum into finite
       // garbage, so the query-major recompute carries it as the fast form does.
-      if (tr.ok0 && !(l0 <= kOverflowSum)) overflow[tr.t0] = 1;
-      if (tr.ok1 && !(l1 <= kOverflowSum)) overflow[tr.t1] = 1;
+      if (tr.ok0 && !(l0 <= kRowLimit)) overflow[tr.t0] = 1;
+      if (tr.ok1 && !(l1 <= kRowLimit)) overflow[tr.t1] = 1;
     }
     if constexpr (F != Form::det_sum) {
 #pragma unroll
@@ -848,9 +851,9 @@ struct KvwPlan {
   size_t index_bytes = 0;            // the selection index's share (independent of the chunk)
 };
 
-// Sizes and chunk ranges for chunks of C tokens, from the host copy of cu_seqlens (O(B + chunks
-// log B) host work).
-KvwPlan plan_kvw_chunks(const MsaParams& p, int streams, int C) {
+// Sizes and chunk ranges for S streams (1 .. Hp) and chunks of C tokens, from the host copy of
+// cu_seqlens (O(B + chunks log B) host work).
+KvwPlan plan_kvw_chunks(const MsaParams& p, int S, int C) {
   const bool det = p.deterministic;  // the two-pass fixed-point form
   KvwPlan pl;
   pl.sel = selection_index_sizes(p);
@@ -858,7 +861,7 @@ KvwPlan plan_kvw_chunks(const MsaParams& p, int streams, int C) {
   pl.index_bytes = pl.ws.size();
   pl.m = p.H / p.Hp;
   pl.tok_per_tile = kRows / pl.m;
-  pl.S = std::max(1, std::min(streams, p.Hp));
+  pl.S = S;
   pl.C = C;
   pl.max_tiles = item_tiles();
   pl.Ceff = static_cast<int>(std::min<int64_t>(pl.C, p.T));
@@ -929,7 +932,7 @@ KvwPlan plan_kvw(const MsaParams& p, int streams) {
   int C = static_cast<int>(std::min<int64_t>(chunk_tokens(p.H / p.Hp, S), (p.T + kBlk - 1) / kBlk * kBlk));
   const size_t limit = kvw_workspace_limit(p);
   for (;;) {
-    KvwPlan pl = plan_kvw_chunks(p, streams, C);
+    KvwPlan pl = plan_kvw_chunks(p, S, C);
     // No chunk fits when the index alone does not: no walk down to 128 tokens then.
     if (pl.ws.size() <= limit || C <= kBlk || pl.index_bytes >= limit) return pl;
     C = std::max(kBlk, C - std::max(kBlk, C / 8 / kBlk * kBlk));
@@ -1043,7 +1046,7 @@ class StreamFork {
 };
 
 // The deterministic form's fixed-point factors (fx: [3] = max|v| as float bits, fx_o, fx_l):
-// fx_l (int64) from l <= K blocks x 2^kOverflowLog2Det (det_sum flags a larger block sum);
+// fx_l (int64) from l <= K blocks x kOverflowSumDet (det_sum flags a larger block sum);
 // fx_o (int32) from |o| <= (sum of a row's bf16(P)) max|v| <= 2 max|v| (det_out's P are the
 // normalised probabilities, each rounded to bf16). A non-finite v makes both factors NaN: every
 // row's l is then NaN, kvw_det_mid_kernel flags it and the query-major kernel recomputes it,
@@ -1051,7 +1054,7 @@ class StreamFork {
 // sums over NaN terms (a slow path, taken only for such inputs). A non-finite q or k is caught per
 // token by det_sum (its row sum).
 __global__ void kvw_det_factors_kernel(int K, float* __restrict__ fx) {
-  const float l_bound = ldexpf(static_cast<float>(K), static_cast<int>(kOverflowLog2Det));
+  const float l_bound = static_cast<float>(K) * kOverflowSumDet;
   fx[1] = fixed_point_factor(2.f * fx[0], 30);  // fx[0]: non-negative float bits read as a float
   fx[2] = fixed_point_factor(l_bound);
   if (!isfinite(fx[0])) fx[1] = fx[2] = __int_as_float(0x7fc00000);
@@ -1066,7 +1069,8 @@ void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
   KvwPlan pl = plan_kvw(p, usable_lanes(stream, device, std::min(stream_count(), p.Hp)));
   // Everything that can fail without side effects, before the workspace exists.
   constexpr int kR = M < 8 ? M : 8;  // heads per 8-row group of a token
-  const CUtensorMap q_map = make_bf16_head_group_map(p.q, p.T, p.H, kR, M < 8 ? 1 : 2, M < 8 ? 1 : M / 8);
+  const CUtensorMap q_map =
+      make_bf16_head_group_map(p.q, p.T, p.H, kR, M < 8 ? 1 : 2, M < 8 ? 1 : M / 8);
   const CUtensorMap k_map = make_bf16_row_map(p.k, p.T, p.Hkv, kD, kBlk);
   const CUtensorMap v_map = make_bf16_row_map(p.v, p.T, p.Hkv, kD, kBlk);
   constexpr Form kFirst = DET ? Form::det_sum : Form::fast;
