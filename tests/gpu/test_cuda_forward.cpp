@@ -670,7 +670,7 @@ TEST(CudaForward, WgmmaKvOverflowRowsRecomputed) {
   GPUTEST_REQUIRE_DEVICE();
   check_overflow_recomputed(shape(32, 2, 2, 1, 128, 8, {1900, 700}), 148);  // m = 16
   check_overflow_recomputed(shape(16, 2, 4, 1, 128, 8, {1900, 700}), 153);  // m = 4
-  // The deterministic (two-pass fixed-point) form flags rows whose sum over a block exceeds 2^20
+  // The deterministic (two-pass fixed-point) form flags rows whose sum over a block exceeds 2^27
   // (2^64 in the fast form): same inputs.
   check_overflow_recomputed(shape(32, 2, 2, 1, 128, 8, {1900, 700}), 148, /*det=*/true);
 }

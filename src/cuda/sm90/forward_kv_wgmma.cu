@@ -85,7 +85,7 @@
 // sums commute and every run gives the same bits:
 //   Form::det_sum: S and P only (no V, no PV): each token's m row sums leave as int64 (one bulk
 //     .add.u64 of m * 8 bytes) into acc_l. A row is flagged (recomputed query-major, itself
-//     deterministic) when its sum over a block exceeds 2^20 instead of 2^64, so l <= 2^20 * K.
+//     deterministic) when its sum over a block exceeds 2^27 instead of 2^64, so l <= 2^27 * K.
 //   kvw_det_mid_kernel: lse = (mref + log2 l) ln 2 written, and the row's reference becomes
 //     ref = mref + log2 l (rows with l < 2^-8 flagged).
 //   Form::det_out: the fast form's tile with P = 2^(S scale log2e - ref) <= 1, the normalised
@@ -153,7 +153,9 @@ constexpr size_t kAccBudget = size_t{40} << 20;
 // A row is flagged (recomputed query-major) when its sum of P over one block exceeds this: the fast
 // form's o stays finite below it; the deterministic first pass's bound on l's fixed-point range.
 constexpr float kOverflowSum = 0x1p64f;
-constexpr float kOverflowSumDet = 0x1p20f;
+// 2^27 = 128 keys x 2^20: a block sum above it has a term above 2^20, so det_sum flags no row the
+// earlier per-term rule (any term > 2^20) spared, and l's bound, K 2^27, is that rule's.
+constexpr float kOverflowSumDet = 0x1p27f;
 
 // What a main-kernel launch computes (the deterministic form takes two launches per (p, chunk)).
 enum class Form { fast, det_sum, det_out };
@@ -375,7 +377,7 @@ __global__ void __launch_bounds__(256) kvw_finprep_kernel(
 // The deterministic form between its passes, one thread per row R = token * M + hh of the chunk:
 // l = acc_l / fx_l (int64 sums of Form::det_sum), lse[h, t] = (mref + log2 l) ln 2, and the row's
 // reference for Form::det_out becomes mref + log2 l (its P are then the normalised probabilities).
-// overflow[t] = 1 where l < 2^-8: l's fixed-point quantum is ~2^-37 at K = 16, so a row far below its
+// overflow[t] = 1 where l < 2^-8: l's fixed-point quantum is 2^-30 at K = 16, so a row far below its
 // reference (own block not selected) would lose digits long before 2^-64; with the own block l is
 // ~1 or more. A NaN l (non-finite v: fx_l is then NaN) is flagged too.
 template <int M>
