@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Host model of the sparse backward's L2 traffic (attn_bwd_wgmma_kernel, token-row form, m3 shape):
-which CTA order and list walk keep the gathered Q / dO rows and the fp32 dQ rows in L2.
+"""Host model of the sparse backward's L2 traffic (attn_bwd_wgmma_kernel): which CTA order and list
+walk keep the gathered Q / dO rows and the fp32 dQ rows in L2.
 
 Model: one CTA per (proxy group p, key block g); CTAs start in grid order on `sms` SMs as SMs free
-up; a CTA walks its block's list in tiles of 64 tokens, each tile 16 head steps of 4 tokens (the
-tokens' Q and dO rows of the group's 16 heads, 4 KB each, and one 8 KB reduce-add of their dQ rows)
-and one proxy step (the tile's 64 Qp rows of 256 B and dqp rows of 512 B). Every SM runs one step per
+up; a CTA walks its block's list in tiles of 64 tokens, each tile m head steps and one proxy step
+(the tile's 64 Qp rows of 256 B and dqp rows of 512 B). A head step touches 64 (token, head) rows:
+Q and dO of 256 B, dQ of 512 B (reduce-added); with token rows (m = 8, 16) they are 64 / m tokens x
+the m heads, otherwise (per-head tiles) the tile's 64 tokens x one head. Every SM runs one step per
 round (all steps cost the same). L2: LRU over those rows with `l2_mb` of capacity; a miss reads the
 row from DRAM (reduce-adds too: L2 fetches the line before adding), an evicted dQ / dqp row is
 written back. Selection: each token's own block plus top_k - 1 distinct earlier blocks drawn
@@ -13,9 +14,17 @@ uniformly per group (what the benchmark's N(0,1) inputs give: the selector's pic
 the causal blocks). K, V, Kp (once per CTA) and the dkp adds (L2-resident) are left out.
 
 Orders (--order): block  = g major, p fastest (blockIdx = g * Hp + p: the kernel's);
+                   hybrid = the first sms / Hp blocks (one wave of the longest lists) block-major, then
+                            group-major: group-major's locality without its tail (the last group's
+                            longest lists starting last cost +18% makespan at 32k, +43% at 16k);
+                   geo    = windows of doubling width ([0, 1), [1, 2), [2, 4), ...), group by group in
+                            each: the long lists early, the many short ones group-major;
+                   kvhead = one kv head's G = Hp / Hkv groups after the other's, block-major inside;
                    group = p major (blockIdx = p * NB + g).
                    pairs = two groups at a time, block-major inside;
-                   wave  = windows of `sms` blocks (one wave), the Hp groups one after the other in each.
+                   window = windows of --window blocks (default sms), the Hp groups one after the other in
+                            each (as many windows as NB / window: group-major locality inside a
+                            window, the longest lists of every group in the first).
 Walks (--walk):    desc (the kernel's sparse walk: from the list's end), asc, zigzag (even waves of
                    `sms` CTAs desc, odd ones asc: the dense warm-up's walk).
 """
@@ -42,19 +51,34 @@ def make_lists(T, blk, top_k, Hp, seed):
     return lists, NB
 
 
-def simulate(lists, NB, Hp, order, walk, sms, l2_bytes, heads=16):
+def simulate(lists, NB, Hp, order, walk, sms, l2_bytes, heads=16, groups_per_kv=1, window=0):
     if order == "block":
         ctas = [(g, p) for g in range(NB) for p in range(Hp)]
     elif order == "group":
         ctas = [(g, p) for p in range(Hp) for g in range(NB)]
     elif order == "pairs":  # two groups at a time, block-major inside
         ctas = [(g, p) for p0 in range(0, Hp, 2) for g in range(NB) for p in range(p0, min(Hp, p0 + 2))]
-    else:  # "wave": windows of `sms` blocks, group by group inside a window
-        ctas = [(g, p) for w in range(0, NB, sms) for p in range(Hp) for g in range(w, min(NB, w + sms))]
-    q_row, dq_row, qp_row, dqp_row = heads * 256, heads * 512, 256, 512
+    elif order == "hybrid":  # the first sms / Hp blocks (the longest lists) block-major, the rest group-major
+        lead = min(NB, sms // Hp)
+        ctas = [(g, p) for g in range(lead) for p in range(Hp)] + \
+               [(g, p) for p in range(Hp) for g in range(lead, NB)]
+    elif order == "geo":  # windows of doubling width [0, 1), [1, 2), [2, 4), ..., group by group in each
+        ctas, lo = [], 0
+        while lo < NB:
+            hi = min(NB, max(1, 2 * lo))
+            ctas += [(g, p) for p in range(Hp) for g in range(lo, hi)]
+            lo = hi
+    elif order == "kvhead":  # one kv head's G groups after the other's, block-major inside
+        G = groups_per_kv
+        ctas = [(g, p) for p0 in range(0, Hp, G) for g in range(NB) for p in range(p0, p0 + G)]
+    else:  # "window": windows of `window` blocks (default: sms), group by group inside a window
+        W = window or sms
+        ctas = [(g, p) for w in range(0, NB, W) for p in range(Hp) for g in range(w, min(NB, w + W))]
+    token_rows = heads in (8, 16)
+    q_row, dq_row, qp_row, dqp_row = 256, 512, 256, 512  # per (token, head) / (token, proxy head)
     lru = OrderedDict()  # key -> (bytes, dirty)
     used = 0
-    st = {"read_hit": 0, "read_miss": 0, "red_hit": 0, "red_miss": 0, "dram_read": 0, "dram_write": 0}
+    st = {"read_hit": 0, "read_miss": 0, "red_hit": 0, "red_miss": 0, "dram_read": 0, "dram_write": 0, "steps": 0}
 
     def touch(key, size, red):
         nonlocal used
@@ -81,10 +105,14 @@ def simulate(lists, NB, Hp, order, walk, sms, l2_bytes, heads=16):
         toks = lists[p][g]
         if walk == "desc" or (walk == "zigzag" and (idx // sms) % 2 == 0):
             toks = toks[::-1]
+        per = 64 // heads
         for i0 in range(0, len(toks), 64):
             tile = toks[i0:i0 + 64]
-            for s in range(16):
-                yield ("head", tile[4 * s:4 * s + 4])
+            for s in range(heads):
+                if token_rows:  # a token's m rows move together: one entry of m rows
+                    yield ("head", [(t, -1) for t in tile[per * s:per * s + per]])
+                else:
+                    yield ("head", [(t, s) for t in tile])
             yield ("proxy", tile)
 
     nxt = 0
@@ -106,12 +134,14 @@ def simulate(lists, NB, Hp, order, walk, sms, l2_bytes, heads=16):
                 running[sm] = None
                 continue
             active = True
+            st["steps"] += 1
             kind, toks = step
             if kind == "head":
-                for t in toks:
-                    touch(("q", p, t), q_row, False)
-                    touch(("do", p, t), q_row, False)
-                    touch(("dq", p, t), dq_row, True)
+                rows = heads if token_rows else 1
+                for t, h in toks:
+                    touch(("q", p, t, h), rows * q_row, False)
+                    touch(("do", p, t, h), rows * q_row, False)
+                    touch(("dq", p, t, h), rows * dq_row, True)
             else:
                 for t in toks:
                     touch(("qp", p, t), qp_row, False)
@@ -131,21 +161,27 @@ def main():
     ap.add_argument("--seqlen", type=int, default=65536)
     ap.add_argument("--top-k", type=int, default=16)
     ap.add_argument("--proxy-heads", type=int, default=4)
+    ap.add_argument("--heads-per-group", type=int, default=16, help="m = H / Hp (16: m3, 8: gqa8, 4: fm16k)")
+    ap.add_argument("--groups-per-kv", type=int, default=1, help="G = Hp / Hkv (2: fm16k)")
     ap.add_argument("--sms", type=int, default=132)
     ap.add_argument("--l2-mb", type=float, default=40.0, help="L2 capacity left to these rows")
     ap.add_argument("--orders", default="block,group")
     ap.add_argument("--walks", default="desc,asc")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--window", type=int, default=0, help="blocks per window of the window order (0: sms)")
     args = ap.parse_args()
     lists, NB = make_lists(args.seqlen, 128, args.top_k, args.proxy_heads, args.seed)
     for order in args.orders.split(","):
+        label = "window %d" % (args.window or args.sms) if order == "window" else order
         for walk in args.walks.split(","):
-            s = simulate(lists, NB, args.proxy_heads, order, walk, args.sms, int(args.l2_mb * 2**20))
+            s = simulate(lists, NB, args.proxy_heads, order, walk, args.sms, int(args.l2_mb * 2**20),
+                         args.heads_per_group, args.groups_per_kv, args.window)
             rh = s["read_hit"] / max(1, s["read_hit"] + s["read_miss"])
             dh = s["red_hit"] / max(1, s["red_hit"] + s["red_miss"])
-            print("order %-5s walk %-4s: read hit %5.1f%%, reduce hit %5.1f%%, DRAM read %6.1f GB, write %6.1f GB,"
-                  " rounds %d" % (order, walk, 100 * rh, 100 * dh, s["dram_read"] / 1e9, s["dram_write"] / 1e9,
-                                  s["rounds"]), flush=True)
+            print("order %-10s walk %-6s: read hit %5.1f%%, reduce hit %5.1f%%, DRAM read %6.1f GB, write %6.1f GB,"
+                  " makespan %.3f x balanced" % (label, walk, 100 * rh, 100 * dh, s["dram_read"] / 1e9,
+                                                 s["dram_write"] / 1e9, s["rounds"] * args.sms / s["steps"]),
+                  flush=True)
 
 
 if __name__ == "__main__":
