@@ -13,19 +13,17 @@ written back. Selection: each token's own block plus top_k - 1 distinct earlier 
 uniformly per group (what the benchmark's N(0,1) inputs give: the selector's picks are spread over
 the causal blocks). K, V, Kp (once per CTA) and the dkp adds (L2-resident) are left out.
 
-Orders (--order): block  = g major, p fastest (blockIdx = g * Hp + p: the kernel's);
-                   hybrid = the first sms / Hp blocks (one wave of the longest lists) block-major, then
-                            group-major: group-major's locality without its tail (the last group's
-                            longest lists starting last cost +18% makespan at 32k, +43% at 16k);
-                   geo    = windows of doubling width ([0, 1), [1, 2), [2, 4), ...), group by group in
-                            each: the long lists early, the many short ones group-major;
+Orders (--orders): block  = g major, p fastest (blockIdx = g * Hp + p: the kernel's);
+                   group  = p major (blockIdx = p * NB + g): the resident CTAs touch one group's rows,
+                            but the last group's longest lists start late (a longer schedule when
+                            there are few waves of CTAs);
+                   pairs  = two groups at a time, block-major inside;
+                   hybrid = the first sms / Hp blocks (the longest lists) block-major, then group-major;
+                   geo    = windows of doubling width ([0, 1), [1, 2), [2, 4), ...), group by group;
                    kvhead = one kv head's G = Hp / Hkv groups after the other's, block-major inside;
-                   group = p major (blockIdx = p * NB + g).
-                   pairs = two groups at a time, block-major inside;
-                   window = windows of --window blocks (default sms), the Hp groups one after the other in
-                            each (as many windows as NB / window: group-major locality inside a
-                            window, the longest lists of every group in the first).
-Walks (--walk):    desc (the kernel's sparse walk: from the list's end), asc, zigzag (even waves of
+                   window = windows of --window blocks (default sms), group by group in each.
+A CTA whose list ends leaves its SM idle for one round (a per-CTA cost of one step).
+Walks (--walks):   desc (the kernel's sparse walk: from the list's end), asc, zigzag (even waves of
                    `sms` CTAs desc, odd ones asc: the dense warm-up's walk).
 """
 import argparse
