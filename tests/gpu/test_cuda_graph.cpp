@@ -329,7 +329,7 @@ TEST(CudaWorkspace, MisalignedAllocatorRefused) {
     run_eager(c, r);
   } catch (const flashmsa::Error& e) {
     threw = true;
-    EXPECT_NE(std::string(e.what()).find("aligned"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("not aligned to 256 bytes"), std::string::npos) << e.what();
   }
   cudaStreamSynchronize(c.g.stream);
   flashmsa::set_workspace_allocator(flashmsa::WorkspaceAllocator());

@@ -59,7 +59,7 @@ static_assert(kBlk == kIndexBlk, "the shared selection index is built for the ba
 
 // ---- small per-row kernels ------------------------------------------------------------------
 
-// Di[t, h] = sum_d dO * O, one warp per row. With row_fx (the token-row DET form's int32 dq):
+// Di[t, h] = sum_d dO * O, half a warp per row. With row_fx (the token-row DET form's int32 dq):
 // also the row's fixed-point factor, a power of two F with B F < 2^30 for the row's own bound
 // B = scale A_k (||dO||_1 A_v + |Di|) on |dq| (fixed_point_kernel's derivation with the row's dO
 // and Di instead of the tensor's maxima): a per-tensor bound would leave rows far below the
@@ -179,7 +179,7 @@ __global__ void convert_acc_kernel(const void* __restrict__ acc,  // [n] fp32, o
                                    bf16* __restrict__ out,                    // [n]
                                    bool permuted = false, bool int32 = false,
                                    const float* __restrict__ row_fx = nullptr) {  // [n / 128]: per row
-  // Eight consecutive outputs per thread, one 16-byte store (n % 8 == 0; the outputs are 16-byte
+  // Eight consecutive outputs per thread, one 16-byte store (n: rows of D = 64 or 128; the outputs are 16-byte
   // aligned (api.cpp), the accumulators 256-byte (workspace)). A group of 8 columns stays
   // contiguous under the permutation, so its 8 values are one 32-byte (64 with int64) load too.
   for (int64_t gi = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; gi < (n >> 3);
@@ -655,7 +655,6 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // ---- outputs ----
   auto convert = [&](const void* acc, int64_t n, int fx_index, void* out, bool permuted = false,
                      bool int32 = false, const float* per_row = nullptr) {
-    if (n % 8 != 0) throw Error("flashmsa: fused_backward: internal error: a gradient's size is not a multiple of 8");
     convert_acc_kernel<<<grid_for(n / 8, 256), 256, 0, stream>>>(acc, n, fx ? fx + fx_index : nullptr,
                                                              static_cast<bf16*>(out), permuted, int32, per_row);
     FLASHMSA_CHECK_LAUNCH();
