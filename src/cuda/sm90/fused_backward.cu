@@ -179,9 +179,9 @@ __global__ void convert_acc_kernel(const void* __restrict__ acc,  // [n] fp32, o
                                    bf16* __restrict__ out,                    // [n]
                                    bool permuted = false, bool int32 = false,
                                    const float* __restrict__ row_fx = nullptr) {  // [n / 128]: per row
-  // Eight consecutive outputs per thread, one 16-byte store (n: rows of D = 64 or 128; the outputs are 16-byte
-  // aligned (api.cpp), the accumulators 256-byte (workspace)). A group of 8 columns stays
-  // contiguous under the permutation, so its 8 values are one 32-byte (64 with int64) load too.
+  // Eight consecutive outputs per thread, one 16-byte store (n: rows of D = 64 or 128; the outputs
+  // are 16-byte aligned (api.cpp), the accumulators 256-byte (workspace)). A group of 8 columns
+  // stays contiguous under the permutation, so its 8 values are one 32-byte (64 with int64) load.
   for (int64_t gi = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; gi < (n >> 3);
        gi += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t i = gi << 3;
