@@ -317,18 +317,25 @@ void launch_student_lse(const MsaParams& p, cudaStream_t stream, const bwd::Inde
     return;
   }
   const int64_t nrow = static_cast<int64_t>(p.Hp) * p.T;
-  const int lse_smem = (kBlk + 2 * bwd::kTileTok) * D * 2 + 2 * bwd::kTileTok * 4;  // Kp, 2 x (Qp, entries)
-  set_smem(bwd::proxy_lse_kernel<D>, lse_smem);
-  // Equal pieces of the lists laid end to end, about four per resident CTA: the pieces end
-  // together, and each is long enough that its Kp load and list search stay small next to its
-  // tiles (at least 8 tiles). `entries` bounds the lists' total (padding is left out of them).
-  const int64_t entries = static_cast<int64_t>(p.Hp) * p.T * p.top_k;
-  const int64_t slots = 4 * static_cast<int64_t>(resident_ctas(bwd::proxy_lse_kernel<D>, 128, lse_smem));
-  const int range = static_cast<int>(std::max<int64_t>(8 * bwd::kTileTok, (entries + slots - 1) / slots));
-  bwd::proxy_lse_kernel<D><<<static_cast<unsigned>((entries + range - 1) / range), 128, lse_smem, stream>>>(
-      static_cast<const bf16*>(p.qp), static_cast<const bf16*>(p.kp), ix, p.Hp, p.Hpk, p.proxy_scale, range,
-      part_max, part_sum);
-  FLASHMSA_CHECK_LAUNCH();
+  auto partials = [&](auto kernel, int smem) {
+    set_smem(kernel, smem);
+    // Equal pieces of the lists laid end to end, about four per resident CTA: the pieces end
+    // together, and each is long enough that its Kp load and list search stay small next to its
+    // tiles (at least 8 tiles). `entries` bounds the lists' total (padding is left out of them).
+    const int64_t entries = static_cast<int64_t>(p.Hp) * p.T * p.top_k;
+    const int64_t slots = 4 * static_cast<int64_t>(resident_ctas(kernel, 128, smem));
+    const int range = static_cast<int>(std::max<int64_t>(8 * bwd::kTileTok, (entries + slots - 1) / slots));
+    kernel<<<static_cast<unsigned>((entries + range - 1) / range), 128, smem, stream>>>(
+        static_cast<const bf16*>(p.qp), static_cast<const bf16*>(p.kp), ix, p.Hp, p.Hpk, p.proxy_scale, range,
+        part_max, part_sum);
+    FLASHMSA_CHECK_LAUNCH();
+  };
+  // D = 128 on warpgroup MMA unless FLASHMSA_PROXY_LSE=mma (A/B timing; read per call).
+  const char* form = std::getenv("FLASHMSA_PROXY_LSE");
+  if (D == 128 && (form == nullptr || std::strcmp(form, "mma") != 0))
+    partials(bwd::proxy_lse_kernel<128, true>, bwd::proxy_lse_smem_bytes<128, true>());
+  else
+    partials(bwd::proxy_lse_kernel<D>, bwd::proxy_lse_smem_bytes<D, false>());
   merge_student_lse_kernel<<<grid_for(nrow, 256, INT_MAX), 256, 0, stream>>>(
       p.block_idx, p.cu_seqlens, p.B, p.T, p.top_k, nrow, part_max, part_sum, lse_s);
   FLASHMSA_CHECK_LAUNCH();
