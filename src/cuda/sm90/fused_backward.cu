@@ -332,10 +332,14 @@ void launch_student_lse(const MsaParams& p, cudaStream_t stream, const bwd::Inde
   };
   // D = 128 on warpgroup MMA unless FLASHMSA_PROXY_LSE=mma (A/B timing; read per call).
   const char* form = std::getenv("FLASHMSA_PROXY_LSE");
-  if (D == 128 && (form == nullptr || std::strcmp(form, "mma") != 0))
-    partials(bwd::proxy_lse_kernel<128, true>, bwd::proxy_lse_smem_bytes<128, true>());
-  else
+  if constexpr (D == 128) {
+    if (form == nullptr || std::strcmp(form, "mma") != 0)
+      partials(bwd::proxy_lse_kernel<128, true>, bwd::proxy_lse_smem_bytes<128, true>());
+    else
+      partials(bwd::proxy_lse_kernel<128>, bwd::proxy_lse_smem_bytes<128, false>());
+  } else {
     partials(bwd::proxy_lse_kernel<D>, bwd::proxy_lse_smem_bytes<D, false>());
+  }
   merge_student_lse_kernel<<<grid_for(nrow, 256, INT_MAX), 256, 0, stream>>>(
       p.block_idx, p.cu_seqlens, p.B, p.T, p.top_k, nrow, part_max, part_sum, lse_s);
   FLASHMSA_CHECK_LAUNCH();
