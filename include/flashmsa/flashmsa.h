@@ -147,7 +147,8 @@ void* workspace_memory_pool(int device_index);  // a cudaMemPool_t; Error in a b
 
 // Or the caller's allocator (the PyTorch op installs torch's caching allocator), for every later
 // call in the process. allocate returns `bytes` of memory on the current device (device_index),
-// usable in the order of `stream` (a cudaStream_t), or nullptr (flashmsa then raises Error);
+// 256-byte aligned (else flashmsa gives it back and raises Error), usable in the order of `stream`
+// (a cudaStream_t), or nullptr (flashmsa then raises Error);
 // deallocate is called once the buffer's last use is enqueued on `stream`. Both null: flashmsa's
 // pool again.
 struct WorkspaceAllocator {

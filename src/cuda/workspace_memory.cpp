@@ -86,6 +86,12 @@ void* workspace_allocate(size_t bytes, cudaStream_t stream) {
       if (ptr == nullptr)
         throw Error("flashmsa: the installed workspace allocator could not provide " + std::to_string(bytes) +
                     " bytes on device " + std::to_string(device));
+      // The kernels' vector loads, TMA and bulk reduce-adds need aligned workspace regions, which
+      // are laid out in multiples of 256 bytes from the buffer's start.
+      if (reinterpret_cast<uintptr_t>(ptr) % 256 != 0) {
+        hook.deallocate(hook.context, ptr, device, stream);
+        throw Error("flashmsa: the installed workspace allocator returned memory not aligned to 256 bytes");
+      }
     } else {
       FLASHMSA_CUDA_CHECK(cudaMallocFromPoolAsync(&ptr, bytes, pool, stream));
     }

@@ -225,6 +225,14 @@ TEST(CudaBackward, M3LikeD128SeveralSequencesKlGrad) {
   check_backward(shape(8, 2, 2, 1, 128, 3, {300, 1000, 5, 129}), 12, true, 0.7f, true);
 }
 
+// The student's lse at D = 128 runs on warpgroup MMA; FLASHMSA_PROXY_LSE=mma keeps the mma.sync
+// form (the A/B knob, and D = 64's form): both within the tolerances of the CPU backend.
+TEST(CudaBackward, StudentLseMmaFormD128) {
+  GPUTEST_REQUIRE_DEVICE();
+  gputest::ScopedEnv form("FLASHMSA_PROXY_LSE", "mma");
+  check_backward(shape(8, 2, 2, 1, 128, 3, {300, 1000, 5, 129}), 12, true, 0.7f, true);
+}
+
 TEST(CudaBackward, OneHeadPerProxyHeadHpkEqualsHp) {
   GPUTEST_REQUIRE_DEVICE();
   check_backward(shape(2, 2, 2, 2, 64, 2, {513, 64}), 13, false, 1.f, true);

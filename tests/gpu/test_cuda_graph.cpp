@@ -295,6 +295,49 @@ TEST(CudaWorkspace, CallerAllocatorServesTheWholeStep) {
   expect_same_bits(hooked, own_pool, "caller's allocator vs flashmsa's pool");
 }
 
+// A caller's allocator whose buffers start 16 bytes past a 256-byte boundary: flashmsa refuses them
+// (its workspace regions are laid out in 256-byte units from the start, and its kernels' vector
+// loads, TMA and bulk reduce-adds need them aligned) with an error, and gives each one back.
+struct MisalignedAllocator {
+  int allocs = 0, frees = 0;
+  static void* allocate(void* ctx, size_t bytes, int, flashmsa::Stream stream) {
+    void* p = nullptr;
+    if (cudaMallocAsync(&p, bytes + 256, static_cast<cudaStream_t>(stream)) != cudaSuccess) return nullptr;
+    ++static_cast<MisalignedAllocator*>(ctx)->allocs;
+    return static_cast<char*>(p) + 16;
+  }
+  static void deallocate(void* ctx, void* p, int, flashmsa::Stream stream) {
+    ++static_cast<MisalignedAllocator*>(ctx)->frees;
+    cudaFreeAsync(static_cast<char*>(p) - 16, static_cast<cudaStream_t>(stream));
+  }
+};
+
+TEST(CudaWorkspace, MisalignedAllocatorRefused) {
+  GPUTEST_REQUIRE_DEVICE();
+  const Shape s = shape(32, 2, 2, 1, 128, 16, {700});
+  StepCase c;
+  ASSERT_NO_FATAL_FAILURE(make_step_case(c, s, 213, false));
+  MisalignedAllocator m;
+  flashmsa::WorkspaceAllocator hook;
+  hook.allocate = &MisalignedAllocator::allocate;
+  hook.deallocate = &MisalignedAllocator::deallocate;
+  hook.context = &m;
+  flashmsa::set_workspace_allocator(hook);
+  bool threw = false;
+  try {
+    StepResult r;
+    run_eager(c, r);
+  } catch (const flashmsa::Error& e) {
+    threw = true;
+    EXPECT_NE(std::string(e.what()).find("not aligned to 256 bytes"), std::string::npos) << e.what();
+  }
+  cudaStreamSynchronize(c.g.stream);
+  flashmsa::set_workspace_allocator(flashmsa::WorkspaceAllocator());
+  EXPECT_TRUE(threw) << "a misaligned workspace buffer was accepted";
+  EXPECT_GT(m.allocs, 0) << "the step took no workspace from the allocator";
+  EXPECT_EQ(m.frees, m.allocs) << "a refused buffer was not given back";
+}
+
 // flashmsa's pool gives every buffer back at the end of a call but keeps the memory mapped across
 // synchronisations (the next call reuses it), and bad arguments name themselves.
 TEST(CudaWorkspace, OwnPoolKeepsItsMemory) {

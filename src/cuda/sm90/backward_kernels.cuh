@@ -13,6 +13,7 @@
 // group's last head. That removes the teacher's second computation of S (m products per tile).
 #pragma once
 
+#include "common/wgmma.cuh"
 #include "sm90/backward_tiles.cuh"
 
 namespace flashmsa::cuda::bwd {
@@ -125,11 +126,101 @@ __device__ __forceinline__ void proxy_lse_piece(const bf16* __restrict__ qp, con
   }
 }
 
+// The same piece on warpgroup MMA (D = 128; WG = true): S (64 tokens x 128 keys) = Qp tile . Kp^T
+// as eight m64n128k16 SS products, both operands K-major in the wgmma backward's 128-byte swizzle
+// layout ([2 slabs][rows][128 B], 16-byte chunk c of row r at slab c >> 3, position (c & 7) ^ (r & 7);
+// smem 1024-byte aligned). Its accumulator is the mma.sync C layout repeated over 16 column chunks
+// (common/wgmma.cuh), so row_max_sum reads it as s[16][4] unchanged. The mma.sync form issued an
+// ldmatrix and 16 MMAs per k-step and warp (ncu: issue-bound, 0.44 IPC per scheduler).
+template <int ROWS, typename Src>
+__device__ __forceinline__ void load_rows_sw128(uint32_t base, const bf16* any, Src src) {
+  for (int i = threadIdx.x; i < ROWS * 16; i += 128) {
+    const int r = i >> 4, c = i & 15;
+    const bf16* row = src(r);
+    cp_async_16(base + (c >> 3) * (ROWS * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4),
+                row != nullptr ? row + c * 8 : any, row != nullptr);
+  }
+}
+
+__device__ __forceinline__ void proxy_lse_piece_wgmma(const bf16* __restrict__ qp, const bf16* __restrict__ kp,
+                                                      const Index& ix, const BlockCtx& bc, int p, int pk, int Hp,
+                                                      int Hpk, float scale_p, unsigned char* smem,
+                                                      float* __restrict__ part_max, float* __restrict__ part_sum) {
+  constexpr int D = 128, RB = 256;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g4 = lane >> 2, c4 = lane & 3;
+  unsigned char* sKp = smem;                         // [2][128][128 B]
+  unsigned char* sQp = sKp + kBlk * RB;              // [2 buffers][2][64][128 B]
+  int32_t* sVal = reinterpret_cast<int32_t*>(sQp + 2 * kTileTok * RB);  // [2][64] list entries
+  const uint32_t kp_base = smem_u32(sKp), qp_base = smem_u32(sQp);
+
+  load_rows_sw128<kBlk>(kp_base, kp, [&](int r) -> const bf16* {
+    return bc.key0 + r < bc.seq_len ? kp + ((bc.seq_start + bc.key0 + r) * Hpk + pk) * D : nullptr;
+  });
+  const int64_t TK = ix.T * ix.K;
+  auto load_tile = [&](int i0, int buf) {
+    const int n = min(kTileTok, bc.end - i0);
+    if (threadIdx.x < kTileTok) sVal[buf * kTileTok + threadIdx.x] = threadIdx.x < n ? ix.vals[i0 + threadIdx.x] : -1;
+    load_rows_sw128<kTileTok>(qp_base + buf * kTileTok * RB, qp, [&](int r) -> const bf16* {
+      return r < n ? qp + (static_cast<int64_t>(ix.vals[i0 + r] / ix.K) * Hp + p) * D : nullptr;
+    });
+    cp_async_commit();
+  };
+  load_tile(bc.begin, 0);
+
+  for (int i0 = bc.begin, buf = 0; i0 < bc.end; i0 += kTileTok, buf ^= 1) {
+    if (i0 + kTileTok < bc.end) {
+      load_tile(i0 + kTileTok, buf ^ 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    fence_proxy_async_shared();  // this thread's cp.async rows, before the barrier, for the wgmma reads
+    __syncthreads();
+    const uint32_t q_base = qp_base + buf * kTileTok * RB;
+    const int32_t* vals = sVal + buf * kTileTok;
+
+    float d[64];
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks)
+      wgmma_ss_bf16<128, 0, 0>(d, wgmma_desc_sw128(q_base + (ks >> 2) * kTileTok * 128 + (ks & 3) * 32),
+                               wgmma_desc_sw128(kp_base + (ks >> 2) * kBlk * 128 + (ks & 3) * 32), ks > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(d);
+    const float(&s)[16][4] = *reinterpret_cast<const float(*)[16][4]>(d);
+
+    const int t0 = vals[0] >= 0 ? static_cast<int>(vals[0] / ix.K - bc.seq_start) : -1;
+    const bool all_visible = t0 >= bc.key0 + kBlk - 1;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = 16 * warp + g4 + 8 * half;
+      const int v = vals[row];
+      const int tpos = v >= 0 ? static_cast<int>(v / ix.K - bc.seq_start) : -1;
+      const float2 ms = all_visible ? row_max_sum<false>(s, half, 0, scale_p)
+                                    : row_max_sum<true>(s, half, tpos - bc.key0 - 2 * c4, scale_p);
+      if (c4 == 0 && v >= 0) {
+        const int64_t at = static_cast<int64_t>(p) * TK + v;  // (p, t, slot)
+        part_max[at] = ms.x;
+        part_sum[at] = ms.y;
+      }
+    }
+    __syncthreads();  // the next iteration refills this buffer
+  }
+}
+
+// Dynamic shared memory of proxy_lse_kernel<D, WG>: Kp, two token tiles and their list entries
+// (+ 1024 bytes to align the wgmma form's tiles).
+template <int D, bool WG>
+constexpr int proxy_lse_smem_bytes() {
+  return (kBlk + 2 * kTileTok) * D * 2 + 2 * kTileTok * 4 + (WG ? 1024 : 0);
+}
+
 // CTA c takes the entries [c range, (c + 1) range) of the lists laid end to end (Index::vals): a
 // piece of one list or pieces of a few, instead of one whole list per CTA. A key block's list holds
 // every token that selected it, so early blocks have several times the mean (~6000 tokens against
 // ~1900 at fm16k): with one CTA per list the launch waited for them.
-template <int D>
+template <int D, bool WG = false>
 __global__ void __launch_bounds__(128) proxy_lse_kernel(
     const bf16* __restrict__ qp,  // [T, Hp, D]
     const bf16* __restrict__ kp,  // [T, Hpk, D]
@@ -158,7 +249,13 @@ __global__ void __launch_bounds__(128) proxy_lse_kernel(
     bc.begin = a;
     bc.end = min(bc.end, r1);
     // Every thread passed the previous piece's last barrier: its Kp and tiles are no longer read.
-    proxy_lse_piece<D>(qp, kp, ix, bc, p, p / (Hp / Hpk), Hp, Hpk, scale_p, smem, part_max, part_sum);
+    if constexpr (WG) {
+      static_assert(D == 128, "the wgmma student lse takes D = 128");
+      unsigned char* aligned = smem + ((1024u - (smem_u32(smem) & 1023u)) & 1023u);
+      proxy_lse_piece_wgmma(qp, kp, ix, bc, p, p / (Hp / Hpk), Hp, Hpk, scale_p, aligned, part_max, part_sum);
+    } else {
+      proxy_lse_piece<D>(qp, kp, ix, bc, p, p / (Hp / Hpk), Hp, Hpk, scale_p, smem, part_max, part_sum);
+    }
   }
 }
 

@@ -59,7 +59,7 @@ static_assert(kBlk == kIndexBlk, "the shared selection index is built for the ba
 
 // ---- small per-row kernels ------------------------------------------------------------------
 
-// Di[t, h] = sum_d dO * O, one warp per row. With row_fx (the token-row DET form's int32 dq):
+// Di[t, h] = sum_d dO * O, half a warp per row. With row_fx (the token-row DET form's int32 dq):
 // also the row's fixed-point factor, a power of two F with B F < 2^30 for the row's own bound
 // B = scale A_k (||dO||_1 A_v + |Di|) on |dq| (fixed_point_kernel's derivation with the row's dO
 // and Di instead of the tensor's maxima): a per-tensor bound would leave rows far below the
@@ -72,20 +72,30 @@ __global__ void di_kernel(const bf16* __restrict__ o,    // [rows, Dv]
                           float scale = 0.f,
                           float* __restrict__ row_fx = nullptr,  // [rows] or null
                           const float* __restrict__ fx = nullptr) {  // fixed_point_kernel's, with row_fx
-  const int64_t row = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) >> 5;
-  const int lane = threadIdx.x & 31;
-  if (row >= rows) return;
-  const __nv_bfloat162* o2 = reinterpret_cast<const __nv_bfloat162*>(o + row * Dv);
-  const __nv_bfloat162* d2 = reinterpret_cast<const __nv_bfloat162*>(d_o + row * Dv);
+  // Half a warp per row, 16-byte loads (8 values; Dv % 8 == 0, rows 16-byte aligned): a row of 128
+  // is one load per lane and tensor, so more bytes are in flight per warp than with 4-byte loads.
+  const int64_t row = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) >> 4;
+  const int lane = threadIdx.x & 15;
+  if (row >= rows) return;  // both halves of a warp: rows is the same for all, whole halves leave
+  const uint4* o8 = reinterpret_cast<const uint4*>(o + row * Dv);
+  const uint4* d8 = reinterpret_cast<const uint4*>(d_o + row * Dv);
   float sum = 0.f, l1 = 0.f;
-  for (int i = lane; i < Dv / 2; i += 32) {
-    const float2 a = __bfloat1622float2(o2[i]), b = __bfloat1622float2(d2[i]);
-    sum += a.x * b.x + a.y * b.y;
-    l1 += fabsf(b.x) + fabsf(b.y);
+  for (int i = lane; i < Dv / 8; i += 16) {
+    const uint4 a4 = o8[i], b4 = d8[i];
+    const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(&a4);
+    const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&b4);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 x = __bfloat1622float2(a[j]), y = __bfloat1622float2(b[j]);
+      sum += x.x * y.x + x.y * y.y;
+      l1 += fabsf(y.x) + fabsf(y.y);
+    }
   }
-  for (int off = 16; off > 0; off >>= 1) {
-    sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+  // The half's 16 lanes (the other half holds the next row; rows >= `rows` returned as whole halves).
+  const unsigned half = 0xffffu << (threadIdx.x & 16);
+  for (int off = 8; off > 0; off >>= 1) {
+    sum += __shfl_xor_sync(half, sum, off);
+    l1 += __shfl_xor_sync(half, l1, off);
   }
   if (lane == 0) {
     di[row] = sum;
@@ -169,21 +179,45 @@ __global__ void convert_acc_kernel(const void* __restrict__ acc,  // [n] fp32, o
                                    bf16* __restrict__ out,                    // [n]
                                    bool permuted = false, bool int32 = false,
                                    const float* __restrict__ row_fx = nullptr) {  // [n / 128]: per row
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  // Eight consecutive outputs per thread, one 16-byte store (n: rows of D = 64 or 128; the outputs
+  // are 16-byte aligned (api.cpp), the accumulators 256-byte (workspace)). A group of 8 columns
+  // stays contiguous under the permutation, so its 8 values are one 32-byte (64 with int64) load.
+  for (int64_t gi = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; gi < (n >> 3);
+       gi += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = gi << 3;
     int64_t at = i;
     if (permuted) {
       const int c = static_cast<int>(i & 127), h7 = static_cast<int>((i >> 7) & 7);
-      at = (i & ~int64_t{127}) + (c & 64) + ((((c >> 3) & 7) ^ h7) << 3) + (c & 7);
+      at = (i & ~int64_t{127}) + (c & 64) + ((((c >> 3) & 7) ^ h7) << 3);
     }
-    float x;
-    if (!fx) x = reinterpret_cast<const float*>(acc)[at];
-    else {
-      const double v = int32 ? static_cast<double>(reinterpret_cast<const int*>(acc)[at])
-                             : static_cast<double>(reinterpret_cast<const long long*>(acc)[at]);
-      x = static_cast<float>(v / static_cast<double>(row_fx ? row_fx[i >> 7] : *fx));
+    float x[8];
+    if (!fx) {
+      const float4* a = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(acc) + at);
+      const float4 lo = a[0], hi = a[1];
+      x[0] = lo.x, x[1] = lo.y, x[2] = lo.z, x[3] = lo.w, x[4] = hi.x, x[5] = hi.y, x[6] = hi.z, x[7] = hi.w;
+    } else {
+      const double f = static_cast<double>(row_fx ? row_fx[i >> 7] : *fx);
+      if (int32) {
+        const int4* a = reinterpret_cast<const int4*>(reinterpret_cast<const int*>(acc) + at);
+        const int4 lo = a[0], hi = a[1];
+        const int v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) x[j] = static_cast<float>(static_cast<double>(v[j]) / f);
+      } else {
+        const longlong2* a = reinterpret_cast<const longlong2*>(reinterpret_cast<const long long*>(acc) + at);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const longlong2 v = a[j];
+          x[2 * j] = static_cast<float>(static_cast<double>(v.x) / f);
+          x[2 * j + 1] = static_cast<float>(static_cast<double>(v.y) / f);
+        }
+      }
     }
-    out[i] = __float2bfloat16_rn(x);
+    uint4 packed;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(x[2 * j], x[2 * j + 1]);
+    *reinterpret_cast<uint4*>(out + i) = packed;
   }
 }
 
@@ -283,18 +317,29 @@ void launch_student_lse(const MsaParams& p, cudaStream_t stream, const bwd::Inde
     return;
   }
   const int64_t nrow = static_cast<int64_t>(p.Hp) * p.T;
-  const int lse_smem = (kBlk + 2 * bwd::kTileTok) * D * 2 + 2 * bwd::kTileTok * 4;  // Kp, 2 x (Qp, entries)
-  set_smem(bwd::proxy_lse_kernel<D>, lse_smem);
-  // Equal pieces of the lists laid end to end, about four per resident CTA: the pieces end
-  // together, and each is long enough that its Kp load and list search stay small next to its
-  // tiles (at least 8 tiles). `entries` bounds the lists' total (padding is left out of them).
-  const int64_t entries = static_cast<int64_t>(p.Hp) * p.T * p.top_k;
-  const int64_t slots = 4 * static_cast<int64_t>(resident_ctas(bwd::proxy_lse_kernel<D>, 128, lse_smem));
-  const int range = static_cast<int>(std::max<int64_t>(8 * bwd::kTileTok, (entries + slots - 1) / slots));
-  bwd::proxy_lse_kernel<D><<<static_cast<unsigned>((entries + range - 1) / range), 128, lse_smem, stream>>>(
-      static_cast<const bf16*>(p.qp), static_cast<const bf16*>(p.kp), ix, p.Hp, p.Hpk, p.proxy_scale, range,
-      part_max, part_sum);
-  FLASHMSA_CHECK_LAUNCH();
+  auto partials = [&](auto kernel, int smem) {
+    set_smem(kernel, smem);
+    // Equal pieces of the lists laid end to end, about four per resident CTA: the pieces end
+    // together, and each is long enough that its Kp load and list search stay small next to its
+    // tiles (at least 8 tiles). `entries` bounds the lists' total (padding is left out of them).
+    const int64_t entries = static_cast<int64_t>(p.Hp) * p.T * p.top_k;
+    const int64_t slots = 4 * static_cast<int64_t>(resident_ctas(kernel, 128, smem));
+    const int range = static_cast<int>(std::max<int64_t>(8 * bwd::kTileTok, (entries + slots - 1) / slots));
+    kernel<<<static_cast<unsigned>((entries + range - 1) / range), 128, smem, stream>>>(
+        static_cast<const bf16*>(p.qp), static_cast<const bf16*>(p.kp), ix, p.Hp, p.Hpk, p.proxy_scale, range,
+        part_max, part_sum);
+    FLASHMSA_CHECK_LAUNCH();
+  };
+  // D = 128 on warpgroup MMA unless FLASHMSA_PROXY_LSE=mma (A/B timing; read per call).
+  const char* form = std::getenv("FLASHMSA_PROXY_LSE");
+  if constexpr (D == 128) {
+    if (form == nullptr || std::strcmp(form, "mma") != 0)
+      partials(bwd::proxy_lse_kernel<128, true>, bwd::proxy_lse_smem_bytes<128, true>());
+    else
+      partials(bwd::proxy_lse_kernel<128>, bwd::proxy_lse_smem_bytes<128, false>());
+  } else {
+    partials(bwd::proxy_lse_kernel<D>, bwd::proxy_lse_smem_bytes<D, false>());
+  }
   merge_student_lse_kernel<<<grid_for(nrow, 256, INT_MAX), 256, 0, stream>>>(
       p.block_idx, p.cu_seqlens, p.B, p.T, p.top_k, nrow, part_max, part_sum, lse_s);
   FLASHMSA_CHECK_LAUNCH();
@@ -599,7 +644,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // ---- per-row terms (after the maxima: the int32 dq's per-row factors use max|k|, max|v|) ----
   const int64_t rows = T * p.H;
   float* row_fx = dq_kv_int32 ? ws.at<float>(o_row_fx) : nullptr;
-  di_kernel<<<grid_for(rows * 32, 256, INT_MAX), 256, 0, stream>>>(
+  di_kernel<<<grid_for(rows * 16, 256, INT_MAX), 256, 0, stream>>>(
       static_cast<const bf16*>(p.o), static_cast<const bf16*>(p.d_o), rows, p.Dv, ws.at<float>(o_di), amax,
       p.scale, row_fx, fx);
   FLASHMSA_CHECK_LAUNCH();
@@ -621,7 +666,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // ---- outputs ----
   auto convert = [&](const void* acc, int64_t n, int fx_index, void* out, bool permuted = false,
                      bool int32 = false, const float* per_row = nullptr) {
-    convert_acc_kernel<<<grid_for(n, 256), 256, 0, stream>>>(acc, n, fx ? fx + fx_index : nullptr,
+    convert_acc_kernel<<<grid_for(n / 8, 256), 256, 0, stream>>>(acc, n, fx ? fx + fx_index : nullptr,
                                                              static_cast<bf16*>(out), permuted, int32, per_row);
     FLASHMSA_CHECK_LAUNCH();
   };
