@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The next device calls (prepared in the sixteenth session, not run yet). Binaries, built here for
+# sm_90a and git-ignored, travel with carry ["ab2", "ab"]:
+#   ab2/run_main    main's flashmsa_run (device code of 3b3dc60, the record)
+#   ab2/run_lean    branch exp/bwd-producer-lean: the wgmma backward's producer copies each 128-byte
+#                   row slab in one asm block (one source pointer with immediates, XOR-swizzled
+#                   slots) and forms the next step's source offset before its wait; its step loop
+#                   263 -> 219 SASS instructions, the head step's copies ~118 -> ~63
+#   ab2/run_olean   branch exp/bwd-order-lean = lean + the 2-D sweep grid (FLASHMSA_BWD_ORDER);
+#                   its producer loop is lean's (219), with no constant load before the copies
+#   ab2/tests_lean, ab2/tests_olean   their GPU test suites
+#   ab/run_si       exp/select-interleave (head-interleaved selector grid)
+# The question (perf-notes, sixteenth session): the sweep builds ran 1.0 ms slower than main in
+# main's own CTA order with the consumers' loop unchanged; a SASS diff found only the producer's
+# step changed (a constant load on the copies' address chain, +4 instructions) and ncu ~4% more
+# memory stalls. If the producer's per-step chain is what the consumers wait for, lean is faster
+# than main, olean in block-major order ~ lean, and its sweep orders keep their 1.2-2.2 ms.
+# STAGES: tests (~3 min), ab (~8), si (~1), stalls (~1); one call each, tests first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/flashmsa-next}
+mkdir -p "$OUT"
+STAGES=${STAGES:-tests}
+for f in ab2/*.xz ab/run_si.xz; do [ -f "$f" ] && xz -d -f -T4 "$f"; done
+chmod +x ab2/* ab/* 2>/dev/null
+if [[ " $STAGES " == *" tests "* ]]; then
+  timeout 240 ab2/tests_olean --gtest_brief=1 > "$OUT/tests_olean.log" 2>&1
+  echo "olean tests: exit $?"; tail -n 3 "$OUT/tests_olean.log"
+  timeout 120 ab2/tests_lean --gtest_brief=1 \
+    --gtest_filter='CudaBackward.*:CudaWarmup.*:CudaGraph.*:CudaForward.*Kl*:CudaWorkspace.*' > "$OUT/tests_lean.log" 2>&1
+  echo "lean tests: exit $?"; tail -n 3 "$OUT/tests_lean.log"
+  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 ab2/tests_olean --gtest_brief=1 \
+    --gtest_filter='CudaBackward.TokenRowsGroupOf16FourGroups:CudaWarmup.GqaD64TwoSequences:*KlValueKvMajor*' > "$OUT/memcheck.log" 2>&1
+  echo "memcheck: exit $?"; tail -n 3 "$OUT/memcheck.log"
+fi
+if [[ " $STAGES " == *" ab "* ]]; then
+  export ROUNDS=${ROUNDS:-2}
+  export CONFIGS=${CONFIGS:-"m3_64k:--seqlen 65536;m3_32k:--seqlen 32768;fm16k:--seqlen 16384 --heads 16 --kv-heads 2;m3_8k:--seqlen 8192"}
+  export VARIANTS=${VARIANTS:-"main=ab2/run_main;lean=ab2/run_lean;olean=ab2/run_olean;olean_o2=ab2/run_olean,FLASHMSA_BWD_ORDER=2;olean_o1=ab2/run_olean,FLASHMSA_BWD_ORDER=group"}
+  OUT=$OUT bash scripts/gpu_ab.sh
+fi
+if [[ " $STAGES " == *" si "* ]]; then  # selection only matters here: no fp64 check
+  CHECK=0 ROUNDS=${ROUNDS:-3} CONFIGS="m3_8k:--seqlen 8192;m3_32k:--seqlen 32768;m3_64k:--seqlen 65536" \
+    VARIANTS="main=ab2/run_main;si=ab/run_si" OUT=$OUT/si bash scripts/gpu_ab.sh
+fi
+if [[ " $STAGES " == *" stalls "* ]]; then
+  for b in ab2/run_main ab2/run_lean; do
+    timeout 150 ncu --clock-control none -k regex:attn_bwd_wgmma_kernel --launch-count 1 \
+      --metrics 'gpu__time_duration.sum,smsp__inst_executed.sum,smsp__average_warp_latency_per_inst_issued.ratio,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+      "$b" --device cuda --seqlen 65536 --iters 1 --check-tokens 0 --quiet > "$OUT/stalls_$(basename "$b").log" 2>&1
+    echo "== $b (exit $?)"
+    grep -E "gpu__time|inst_executed|latency_per_inst|stalled_(no_instruction|long_scoreboard|barrier|wait|short_scoreboard|mio|lg_throttle)" "$OUT/stalls_$(basename "$b").log" | sed -E 's/ +/ /g'
+  done
+fi
