@@ -47,6 +47,31 @@ __device__ __forceinline__ float2 row_max_sum(const float (&s)[16][4], int half,
   return make_float2(mx * scale_p, sum);
 }
 
+// A scored tile's per-row maximum and sum (S in the mma.sync C layout: 16 column chunks of this
+// warp's rows g4 and g4 + 8) stored as the (p, t, slot) partials. The list ascends in t, so when the
+// tile's first token lies past the block's last key every row sees all 128 keys (padding rows are
+// never stored): only a list's first tiles, the block's own tokens, take the causal mask.
+__device__ __forceinline__ void store_row_partials(const float (&s)[16][4], const int32_t* vals, const Index& ix,
+                                                   const BlockCtx& bc, int p, int64_t TK, float scale_p,
+                                                   float* __restrict__ part_max, float* __restrict__ part_sum) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g4 = lane >> 2, c4 = lane & 3;
+  const int t0 = vals[0] >= 0 ? static_cast<int>(vals[0] / ix.K - bc.seq_start) : -1;
+  const bool all_visible = t0 >= bc.key0 + kBlk - 1;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = 16 * warp + g4 + 8 * half;
+    const int v = vals[row];
+    const int tpos = v >= 0 ? static_cast<int>(v / ix.K - bc.seq_start) : -1;
+    const float2 ms = all_visible ? row_max_sum<false>(s, half, 0, scale_p)
+                                  : row_max_sum<true>(s, half, tpos - bc.key0 - 2 * c4, scale_p);
+    if (c4 == 0 && v >= 0) {
+      const int64_t at = static_cast<int64_t>(p) * TK + v;  // (p, t, slot)
+      part_max[at] = ms.x;
+      part_sum[at] = ms.y;
+    }
+  }
+}
+
 // One piece [bc.begin, bc.end) of the list of (proxy head p, key block): Kp, then its token tiles.
 template <int D>
 __device__ __forceinline__ void proxy_lse_piece(const bf16* __restrict__ qp, const bf16* __restrict__ kp,
@@ -54,7 +79,7 @@ __device__ __forceinline__ void proxy_lse_piece(const bf16* __restrict__ qp, con
                                                 int Hpk, float scale_p, unsigned char* smem,
                                                 float* __restrict__ part_max, float* __restrict__ part_sum) {
   constexpr int RB = D * 2;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g4 = lane >> 2, c4 = lane & 3;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   unsigned char* sKp = smem;                         // [128][D]
   unsigned char* sQp = sKp + kBlk * RB;              // [2][64][D]: double buffer of token tiles
   int32_t* sVal = reinterpret_cast<int32_t*>(sQp + 2 * kTileTok * RB);  // [2][64] list entries
@@ -104,24 +129,7 @@ __device__ __forceinline__ void proxy_lse_piece(const bf16* __restrict__ qp, con
         mma_bf16_16816(s[2 * j + 1], a, b[2], b[3]);
       }
     }
-    // The list ascends in t, so when the tile's first token lies past the block's last key every
-    // row sees all 128 keys (padding rows are never stored): only a list's first tiles, the
-    // block's own tokens, take the causal mask.
-    const int t0 = vals[0] >= 0 ? static_cast<int>(vals[0] / ix.K - bc.seq_start) : -1;
-    const bool all_visible = t0 >= bc.key0 + kBlk - 1;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = 16 * warp + g4 + 8 * half;
-      const int v = vals[row];
-      const int tpos = v >= 0 ? static_cast<int>(v / ix.K - bc.seq_start) : -1;
-      const float2 ms = all_visible ? row_max_sum<false>(s, half, 0, scale_p)
-                                    : row_max_sum<true>(s, half, tpos - bc.key0 - 2 * c4, scale_p);
-      if (c4 == 0 && v >= 0) {
-        const int64_t at = static_cast<int64_t>(p) * TK + v;  // (p, t, slot)
-        part_max[at] = ms.x;
-        part_sum[at] = ms.y;
-      }
-    }
+    store_row_partials(s, vals, ix, bc, p, TK, scale_p, part_max, part_sum);
     __syncthreads();  // the next iteration refills this buffer
   }
 }
@@ -147,7 +155,6 @@ __device__ __forceinline__ void proxy_lse_piece_wgmma(const bf16* __restrict__ q
                                                       int Hpk, float scale_p, unsigned char* smem,
                                                       float* __restrict__ part_max, float* __restrict__ part_sum) {
   constexpr int D = 128, RB = 256;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g4 = lane >> 2, c4 = lane & 3;
   unsigned char* sKp = smem;                         // [2][128][128 B]
   unsigned char* sQp = sKp + kBlk * RB;              // [2 buffers][2][64][128 B]
   int32_t* sVal = reinterpret_cast<int32_t*>(sQp + 2 * kTileTok * RB);  // [2][64] list entries
@@ -190,21 +197,7 @@ __device__ __forceinline__ void proxy_lse_piece_wgmma(const bf16* __restrict__ q
     wgmma_fence_operands(d);
     const float(&s)[16][4] = *reinterpret_cast<const float(*)[16][4]>(d);
 
-    const int t0 = vals[0] >= 0 ? static_cast<int>(vals[0] / ix.K - bc.seq_start) : -1;
-    const bool all_visible = t0 >= bc.key0 + kBlk - 1;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = 16 * warp + g4 + 8 * half;
-      const int v = vals[row];
-      const int tpos = v >= 0 ? static_cast<int>(v / ix.K - bc.seq_start) : -1;
-      const float2 ms = all_visible ? row_max_sum<false>(s, half, 0, scale_p)
-                                    : row_max_sum<true>(s, half, tpos - bc.key0 - 2 * c4, scale_p);
-      if (c4 == 0 && v >= 0) {
-        const int64_t at = static_cast<int64_t>(p) * TK + v;  // (p, t, slot)
-        part_max[at] = ms.x;
-        part_sum[at] = ms.y;
-      }
-    }
+    store_row_partials(s, vals, ix, bc, p, TK, scale_p, part_max, part_sum);
     __syncthreads();  // the next iteration refills this buffer
   }
 }
