@@ -72,20 +72,40 @@ __device__ __forceinline__ void store_row_partials(const float (&s)[16][4], cons
   }
 }
 
+// WG (D = 128): S (64 tokens x 128 keys) = Qp tile . Kp^T as eight m64n128k16 SS products on
+// warpgroup MMA, both operands K-major in the wgmma backward's 128-byte swizzle layout ([2 slabs]
+// [rows][128 B], 16-byte chunk c of row r at slab c >> 3, position (c & 7) ^ (r & 7); smem 1024-byte
+// aligned). Its accumulator is the mma.sync C layout repeated over 16 column chunks
+// (common/wgmma.cuh), so row_max_sum reads it as s[16][4] unchanged. The mma.sync form (WG = false)
+// issues an ldmatrix and 16 MMAs per k-step and warp (ncu: issue-bound, 0.44 IPC per scheduler).
+template <int ROWS, typename Src>
+__device__ __forceinline__ void load_rows_sw128(uint32_t base, const bf16* any, Src src) {
+  for (int i = threadIdx.x; i < ROWS * 16; i += 128) {
+    const int r = i >> 4, c = i & 15;
+    const bf16* row = src(r);
+    cp_async_16(base + (c >> 3) * (ROWS * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4),
+                row != nullptr ? row + c * 8 : any, row != nullptr);
+  }
+}
+
 // One piece [bc.begin, bc.end) of the list of (proxy head p, key block): Kp, then its token tiles.
-template <int D>
+template <int D, bool WG>
 __device__ __forceinline__ void proxy_lse_piece(const bf16* __restrict__ qp, const bf16* __restrict__ kp,
                                                 const Index& ix, const BlockCtx& bc, int p, int pk, int Hp,
                                                 int Hpk, float scale_p, unsigned char* smem,
                                                 float* __restrict__ part_max, float* __restrict__ part_sum) {
+  static_assert(!WG || D == 128, "the wgmma student lse takes D = 128");
   constexpr int RB = D * 2;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  unsigned char* sKp = smem;                         // [128][D]
+  unsigned char* sKp = smem;                         // [128][D] (WG: [2 slabs][128][128 B])
   unsigned char* sQp = sKp + kBlk * RB;              // [2][64][D]: double buffer of token tiles
   int32_t* sVal = reinterpret_cast<int32_t*>(sQp + 2 * kTileTok * RB);  // [2][64] list entries
   const uint32_t kp_base = smem_u32(sKp), qp_base = smem_u32(sQp);
+  auto load_rows = [&](uint32_t base, auto rows, const bf16* any, auto src) {
+    if constexpr (WG) load_rows_sw128<decltype(rows)::value>(base, any, src);
+    else load_rows_async<D, 128>(base, decltype(rows)::value, any, src);
+  };
 
-  load_rows_async<D, 128>(kp_base, kBlk, kp, [&](int r) -> const bf16* {
+  load_rows(kp_base, std::integral_constant<int, kBlk>{}, kp, [&](int r) -> const bf16* {
     return bc.key0 + r < bc.seq_len ? kp + ((bc.seq_start + bc.key0 + r) * Hpk + pk) * D : nullptr;
   });
   const int64_t TK = ix.T * ix.K;
@@ -95,7 +115,7 @@ __device__ __forceinline__ void proxy_lse_piece(const bf16* __restrict__ qp, con
   auto load_tile = [&](int i0, int buf) {
     const int n = min(kTileTok, bc.end - i0);
     if (threadIdx.x < kTileTok) sVal[buf * kTileTok + threadIdx.x] = threadIdx.x < n ? ix.vals[i0 + threadIdx.x] : -1;
-    load_rows_async<D, 128>(qp_base + buf * kTileTok * RB, kTileTok, qp, [&](int r) -> const bf16* {
+    load_rows(qp_base + buf * kTileTok * RB, std::integral_constant<int, kTileTok>{}, qp, [&](int r) -> const bf16* {
       return r < n ? qp + (static_cast<int64_t>(ix.vals[i0 + r] / ix.K) * Hp + p) * D : nullptr;
     });
     cp_async_commit();
@@ -110,94 +130,42 @@ __device__ __forceinline__ void proxy_lse_piece(const bf16* __restrict__ qp, con
     } else {
       cp_async_wait<0>();
     }
+    if constexpr (WG) fence_proxy_async_shared();  // this thread's cp.async rows, for the wgmma reads
     __syncthreads();
     const uint32_t q_base = qp_base + buf * kTileTok * RB;
     const int32_t* vals = sVal + buf * kTileTok;
 
-    float s[16][4];
+    if constexpr (WG) {
+      float d[64];
+      wgmma_fence();
 #pragma unroll
-    for (int i = 0; i < 16; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-#pragma unroll
-    for (int k0 = 0; k0 < D; k0 += 16) {
-      uint32_t a[4];
-      load_a_mk<RB>(a, q_base, 16 * warp, k0, lane);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        uint32_t b[4];
-        load_b_nk<RB>(b, kp_base, 16 * j, k0, lane);
-        mma_bf16_16816(s[2 * j], a, b[0], b[1]);
-        mma_bf16_16816(s[2 * j + 1], a, b[2], b[3]);
-      }
-    }
-    store_row_partials(s, vals, ix, bc, p, TK, scale_p, part_max, part_sum);
-    __syncthreads();  // the next iteration refills this buffer
-  }
-}
-
-// The same piece on warpgroup MMA (D = 128; WG = true): S (64 tokens x 128 keys) = Qp tile . Kp^T
-// as eight m64n128k16 SS products, both operands K-major in the wgmma backward's 128-byte swizzle
-// layout ([2 slabs][rows][128 B], 16-byte chunk c of row r at slab c >> 3, position (c & 7) ^ (r & 7);
-// smem 1024-byte aligned). Its accumulator is the mma.sync C layout repeated over 16 column chunks
-// (common/wgmma.cuh), so row_max_sum reads it as s[16][4] unchanged. The mma.sync form issued an
-// ldmatrix and 16 MMAs per k-step and warp (ncu: issue-bound, 0.44 IPC per scheduler).
-template <int ROWS, typename Src>
-__device__ __forceinline__ void load_rows_sw128(uint32_t base, const bf16* any, Src src) {
-  for (int i = threadIdx.x; i < ROWS * 16; i += 128) {
-    const int r = i >> 4, c = i & 15;
-    const bf16* row = src(r);
-    cp_async_16(base + (c >> 3) * (ROWS * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4),
-                row != nullptr ? row + c * 8 : any, row != nullptr);
-  }
-}
-
-__device__ __forceinline__ void proxy_lse_piece_wgmma(const bf16* __restrict__ qp, const bf16* __restrict__ kp,
-                                                      const Index& ix, const BlockCtx& bc, int p, int pk, int Hp,
-                                                      int Hpk, float scale_p, unsigned char* smem,
-                                                      float* __restrict__ part_max, float* __restrict__ part_sum) {
-  constexpr int D = 128, RB = 256;
-  unsigned char* sKp = smem;                         // [2][128][128 B]
-  unsigned char* sQp = sKp + kBlk * RB;              // [2 buffers][2][64][128 B]
-  int32_t* sVal = reinterpret_cast<int32_t*>(sQp + 2 * kTileTok * RB);  // [2][64] list entries
-  const uint32_t kp_base = smem_u32(sKp), qp_base = smem_u32(sQp);
-
-  load_rows_sw128<kBlk>(kp_base, kp, [&](int r) -> const bf16* {
-    return bc.key0 + r < bc.seq_len ? kp + ((bc.seq_start + bc.key0 + r) * Hpk + pk) * D : nullptr;
-  });
-  const int64_t TK = ix.T * ix.K;
-  auto load_tile = [&](int i0, int buf) {
-    const int n = min(kTileTok, bc.end - i0);
-    if (threadIdx.x < kTileTok) sVal[buf * kTileTok + threadIdx.x] = threadIdx.x < n ? ix.vals[i0 + threadIdx.x] : -1;
-    load_rows_sw128<kTileTok>(qp_base + buf * kTileTok * RB, qp, [&](int r) -> const bf16* {
-      return r < n ? qp + (static_cast<int64_t>(ix.vals[i0 + r] / ix.K) * Hp + p) * D : nullptr;
-    });
-    cp_async_commit();
-  };
-  load_tile(bc.begin, 0);
-
-  for (int i0 = bc.begin, buf = 0; i0 < bc.end; i0 += kTileTok, buf ^= 1) {
-    if (i0 + kTileTok < bc.end) {
-      load_tile(i0 + kTileTok, buf ^ 1);
-      cp_async_wait<1>();
+      for (int ks = 0; ks < 8; ++ks)
+        wgmma_ss_bf16<128, 0, 0>(d, wgmma_desc_sw128(q_base + (ks >> 2) * kTileTok * 128 + (ks & 3) * 32),
+                                 wgmma_desc_sw128(kp_base + (ks >> 2) * kBlk * 128 + (ks & 3) * 32), ks > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_operands(d);
+      store_row_partials(*reinterpret_cast<const float(*)[16][4]>(d), vals, ix, bc, p, TK, scale_p, part_max,
+                         part_sum);
     } else {
-      cp_async_wait<0>();
-    }
-    fence_proxy_async_shared();  // this thread's cp.async rows, before the barrier, for the wgmma reads
-    __syncthreads();
-    const uint32_t q_base = qp_base + buf * kTileTok * RB;
-    const int32_t* vals = sVal + buf * kTileTok;
-
-    float d[64];
-    wgmma_fence();
+      const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+      float s[16][4];
 #pragma unroll
-    for (int ks = 0; ks < 8; ++ks)
-      wgmma_ss_bf16<128, 0, 0>(d, wgmma_desc_sw128(q_base + (ks >> 2) * kTileTok * 128 + (ks & 3) * 32),
-                               wgmma_desc_sw128(kp_base + (ks >> 2) * kBlk * 128 + (ks & 3) * 32), ks > 0);
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_operands(d);
-    const float(&s)[16][4] = *reinterpret_cast<const float(*)[16][4]>(d);
-
-    store_row_partials(s, vals, ix, bc, p, TK, scale_p, part_max, part_sum);
+      for (int i = 0; i < 16; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+      for (int k0 = 0; k0 < D; k0 += 16) {
+        uint32_t a[4];
+        load_a_mk<RB>(a, q_base, 16 * warp, k0, lane);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          uint32_t b[4];
+          load_b_nk<RB>(b, kp_base, 16 * j, k0, lane);
+          mma_bf16_16816(s[2 * j], a, b[0], b[1]);
+          mma_bf16_16816(s[2 * j + 1], a, b[2], b[3]);
+        }
+      }
+      store_row_partials(s, vals, ix, bc, p, TK, scale_p, part_max, part_sum);
+    }
     __syncthreads();  // the next iteration refills this buffer
   }
 }
@@ -242,13 +210,8 @@ __global__ void __launch_bounds__(128) proxy_lse_kernel(
     bc.begin = a;
     bc.end = min(bc.end, r1);
     // Every thread passed the previous piece's last barrier: its Kp and tiles are no longer read.
-    if constexpr (WG) {
-      static_assert(D == 128, "the wgmma student lse takes D = 128");
-      unsigned char* aligned = smem + ((1024u - (smem_u32(smem) & 1023u)) & 1023u);
-      proxy_lse_piece_wgmma(qp, kp, ix, bc, p, p / (Hp / Hpk), Hp, Hpk, scale_p, aligned, part_max, part_sum);
-    } else {
-      proxy_lse_piece<D>(qp, kp, ix, bc, p, p / (Hp / Hpk), Hp, Hpk, scale_p, smem, part_max, part_sum);
-    }
+    unsigned char* base = WG ? smem + ((1024u - (smem_u32(smem) & 1023u)) & 1023u) : smem;  // WG: aligned
+    proxy_lse_piece<D, WG>(qp, kp, ix, bc, p, p / (Hp / Hpk), Hp, Hpk, scale_p, base, part_max, part_sum);
   }
 }
 
