@@ -235,6 +235,17 @@ TEST(CudaGraph, TrainingStepCapturedAndReplayedDeterministic) {
 
 // ---- device workspace (flashmsa.h: workspace_memory_pool, set_workspace_allocator) ----
 
+// Makes allocator a (static allocate / deallocate taking a as their context) the process's
+// workspace allocator.
+template <typename A>
+void install_allocator(A& a) {
+  flashmsa::WorkspaceAllocator hook;
+  hook.allocate = &A::allocate;
+  hook.deallocate = &A::deallocate;
+  hook.context = &a;
+  flashmsa::set_workspace_allocator(hook);
+}
+
 // A caller's allocator that counts what it hands out, on the stream it is given.
 struct CountingAllocator {
   int allocs = 0, frees = 0;
@@ -275,11 +286,7 @@ TEST(CudaWorkspace, CallerAllocatorServesTheWholeStep) {
   run_eager(c, own_pool);
 
   CountingAllocator counter;
-  flashmsa::WorkspaceAllocator hook;
-  hook.allocate = &CountingAllocator::allocate;
-  hook.deallocate = &CountingAllocator::deallocate;
-  hook.context = &counter;
-  flashmsa::set_workspace_allocator(hook);
+  install_allocator(counter);
   try {
     run_eager(c, hooked);
   } catch (const flashmsa::Error& e) {
@@ -318,11 +325,7 @@ TEST(CudaWorkspace, MisalignedAllocatorRefused) {
   StepCase c;
   ASSERT_NO_FATAL_FAILURE(make_step_case(c, s, 213, false));
   MisalignedAllocator m;
-  flashmsa::WorkspaceAllocator hook;
-  hook.allocate = &MisalignedAllocator::allocate;
-  hook.deallocate = &MisalignedAllocator::deallocate;
-  hook.context = &m;
-  flashmsa::set_workspace_allocator(hook);
+  install_allocator(m);
   bool threw = false;
   try {
     StepResult r;
