@@ -15,7 +15,8 @@
 # step changed (a constant load on the copies' address chain, +4 instructions) and ncu ~4% more
 # memory stalls. If the producer's per-step chain is what the consumers wait for, lean is faster
 # than main, olean in block-major order ~ lean, and its sweep orders keep their 1.2-2.2 ms.
-# STAGES: tests (~3 min), ab (~8), si (~1), stalls (~1); one call each, tests first.
+# STAGES: tests (~3 min), ab (~8), si (~1), stalls (~2: SASS stall samples), stallmetrics (~1);
+# one call each, tests first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/flashmsa-next}
@@ -43,7 +44,16 @@ if [[ " $STAGES " == *" si "* ]]; then  # selection only matters here: no fp64 c
   CHECK=0 ROUNDS=${ROUNDS:-3} CONFIGS="m3_8k:--seqlen 8192;m3_32k:--seqlen 32768;m3_64k:--seqlen 65536" \
     VARIANTS="main=ab2/run_main;si=ab/run_si" OUT=$OUT/si bash scripts/gpu_ab.sh
 fi
+# stalls: per issued instruction for one m3/64k backward launch of main and lean, then the SASS
+# with its stall samples (scripts/gpu_stalls.sh): the samples on the consumers' full-barrier waits
+# are the time they wait for the producer's stage.
 if [[ " $STAGES " == *" stalls "* ]]; then
+  for v in main lean; do
+    mkdir -p "/tmp/bin_$v" && ln -sf "$PWD/ab2/run_$v" "/tmp/bin_$v/flashmsa_run"
+    BIN=/tmp/bin_$v OUT=$OUT SEQ=65536 NAME=bwd_$v timeout 200 bash scripts/gpu_stalls.sh | head -12
+  done
+fi
+if [[ " $STAGES " == *" stallmetrics "* ]]; then
   for b in ab2/run_main ab2/run_lean; do
     timeout 150 ncu --clock-control none -k regex:attn_bwd_wgmma_kernel --launch-count 1 \
       --metrics 'gpu__time_duration.sum,smsp__inst_executed.sum,smsp__average_warp_latency_per_inst_issued.ratio,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
