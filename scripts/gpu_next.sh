@@ -56,7 +56,9 @@ fi
 if [[ " $STAGES " == *" stalls "* ]]; then
   for v in main lean pf; do
     mkdir -p "/tmp/bin_$v" && ln -sf "$PWD/ab2/run_$v" "/tmp/bin_$v/flashmsa_run"
-    BIN=/tmp/bin_$v OUT=$OUT SEQ=65536 NAME=bwd_$v timeout 200 bash scripts/gpu_stalls.sh | head -12
+    BIN=/tmp/bin_$v OUT=$OUT SEQ=65536 NAME=bwd_$v timeout 200 bash scripts/gpu_stalls.sh > /dev/null
+    python3 scripts/sass_stalls.py "$OUT/bwd_${v}_sass.csv" 12
+    gzip -f "$OUT/bwd_${v}_sass.csv"
   done
 fi
 if [[ " $STAGES " == *" stallmetrics "* ]]; then
