@@ -13,6 +13,8 @@
 // group's last head. That removes the teacher's second computation of S (m products per tile).
 #pragma once
 
+#include <type_traits>
+
 #include "common/wgmma.cuh"
 #include "sm90/backward_tiles.cuh"
 
