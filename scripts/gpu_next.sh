@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The next device calls (prepared in the sixteenth session, not run yet). Binaries, built here for
-# sm_90a and git-ignored, travel with carry ["ab2", "ab"]:
+# sm_90a and git-ignored (scripts/build_ab2.sh rebuilds them from their branches), travel with
+# carry ["ab2", "ab"]:
 #   ab2/run_main    main's flashmsa_run (device code of 3b3dc60, the record)
 #   ab2/run_lean    branch exp/bwd-producer-lean: the wgmma backward's producer copies each 128-byte
 #                   row slab in one asm block (one source pointer with immediates, XOR-swizzled
