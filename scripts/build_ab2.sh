@@ -23,6 +23,7 @@ build() {  # name commit-ish [tests]: ab2/run_<name>.xz (and ab2/tests_<name>.xz
 build main 3b3dc60                              # the record's device code
 build lean exp/bwd-producer-lean tests
 build pf exp/bwd-producer-prefetch tests
+build dr exp/bwd-defer-release tests
 build olean exp/bwd-order-lean tests
 git worktree prune
 ls -la ab2

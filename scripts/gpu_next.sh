@@ -12,14 +12,18 @@
 #   ab2/run_pf      branch exp/bwd-producer-prefetch = lean + each step's list entry loaded a step
 #                   earlier (its L2 latency held 4.4% of all stall samples at 3765cc9, in the
 #                   producer's chain to the next stage); step loop 240 instructions
-#   ab2/tests_lean, ab2/tests_olean, ab2/tests_pf   their GPU test suites
+#   ab2/run_dr      branch exp/bwd-defer-release = pf + a step's stage released part-way into the
+#                   next step instead of right after its dQ bulk reduce-adds (a timing-only build
+#                   that skipped that wait ran 1.5 ms faster); the producer then has ~2/3 of a step
+#                   to refill it
+#   ab2/tests_lean, ab2/tests_olean, ab2/tests_pf, ab2/tests_dr   their GPU test suites
 #   ab/run_si       exp/select-interleave (head-interleaved selector grid)
 # The question (perf-notes, sixteenth session): the sweep builds ran 1.0 ms slower than main in
 # main's own CTA order with the consumers' loop unchanged; a SASS diff found only the producer's
 # step changed (a constant load on the copies' address chain, +4 instructions) and ncu ~4% more
 # memory stalls. If the producer's per-step chain is what the consumers wait for, lean is faster
 # than main, olean in block-major order ~ lean, and its sweep orders keep their 1.2-2.2 ms.
-# STAGES: tests (~4 min), ab (~8), si (~1), stalls (~3: SASS stall samples), stallmetrics (~1);
+# STAGES: tests (~5 min), ab (~9), si (~1), stalls (~4: SASS stall samples), stallmetrics (~1);
 # one call each, tests first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +41,9 @@ if [[ " $STAGES " == *" tests "* ]]; then
   timeout 120 ab2/tests_pf --gtest_brief=1 \
     --gtest_filter='CudaBackward.*:CudaWarmup.*:CudaGraph.*:CudaForward.*Kl*:CudaWorkspace.*' > "$OUT/tests_pf.log" 2>&1
   echo "pf tests: exit $?"; tail -n 3 "$OUT/tests_pf.log"
+  timeout 120 ab2/tests_dr --gtest_brief=1 \
+    --gtest_filter='CudaBackward.*:CudaWarmup.*:CudaGraph.*:CudaForward.*Kl*:CudaWorkspace.*' > "$OUT/tests_dr.log" 2>&1
+  echo "dr tests: exit $?"; tail -n 3 "$OUT/tests_dr.log"
   timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 ab2/tests_olean --gtest_brief=1 \
     --gtest_filter='CudaBackward.TokenRowsGroupOf16FourGroups:CudaWarmup.GqaD64TwoSequences:*KlValueKvMajor*' > "$OUT/memcheck.log" 2>&1
   echo "memcheck: exit $?"; tail -n 3 "$OUT/memcheck.log"
@@ -44,7 +51,7 @@ fi
 if [[ " $STAGES " == *" ab "* ]]; then
   export ROUNDS=${ROUNDS:-2}
   export CONFIGS=${CONFIGS:-"m3_64k:--seqlen 65536;m3_32k:--seqlen 32768;fm16k:--seqlen 16384 --heads 16 --kv-heads 2"}
-  export VARIANTS=${VARIANTS:-"main=ab2/run_main;lean=ab2/run_lean;pf=ab2/run_pf;olean=ab2/run_olean;olean_o2=ab2/run_olean,FLASHMSA_BWD_ORDER=2;olean_o1=ab2/run_olean,FLASHMSA_BWD_ORDER=group"}
+  export VARIANTS=${VARIANTS:-"main=ab2/run_main;lean=ab2/run_lean;pf=ab2/run_pf;dr=ab2/run_dr;olean=ab2/run_olean;olean_o2=ab2/run_olean,FLASHMSA_BWD_ORDER=2;olean_o1=ab2/run_olean,FLASHMSA_BWD_ORDER=group"}
   OUT=$OUT bash scripts/gpu_ab.sh
 fi
 if [[ " $STAGES " == *" si "* ]]; then  # selection only matters here: no fp64 check
@@ -55,7 +62,7 @@ fi
 # with its stall samples (scripts/gpu_stalls.sh): the samples on the consumers' full-barrier waits
 # are the time they wait for the producer's stage.
 if [[ " $STAGES " == *" stalls "* ]]; then
-  for v in main lean pf; do
+  for v in main lean pf dr; do
     mkdir -p "/tmp/bin_$v" && ln -sf "$PWD/ab2/run_$v" "/tmp/bin_$v/flashmsa_run"
     BIN=/tmp/bin_$v OUT=$OUT SEQ=65536 NAME=bwd_$v timeout 200 bash scripts/gpu_stalls.sh > /dev/null
     python3 scripts/sass_stalls.py "$OUT/bwd_${v}_sass.csv" 12
