@@ -47,6 +47,12 @@ if [[ " $STAGES " == *" tests "* ]]; then
   timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 ab2/tests_olean --gtest_brief=1 \
     --gtest_filter='CudaBackward.TokenRowsGroupOf16FourGroups:CudaWarmup.GqaD64TwoSequences:*KlValueKvMajor*' > "$OUT/memcheck.log" 2>&1
   echo "memcheck: exit $?"; tail -n 3 "$OUT/memcheck.log"
+  # dr moves a release of shared memory: racecheck / synccheck on small token-row and per-head cases.
+  for tool in racecheck synccheck; do
+    timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 ab2/tests_dr --gtest_brief=1 \
+      --gtest_filter='CudaBackward.TokenRowsGroupOf8:CudaBackward.WgmmaSharedKvFm16kLike' > "$OUT/${tool}_dr.log" 2>&1
+    echo "$tool dr: exit $?"; tail -n 2 "$OUT/${tool}_dr.log"
+  done
 fi
 if [[ " $STAGES " == *" ab "* ]]; then
   export ROUNDS=${ROUNDS:-2}
