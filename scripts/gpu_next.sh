@@ -23,7 +23,8 @@
 # step changed (a constant load on the copies' address chain, +4 instructions) and ncu ~4% more
 # memory stalls. If the producer's per-step chain is what the consumers wait for, lean is faster
 # than main, olean in block-major order ~ lean, and its sweep orders keep their 1.2-2.2 ms.
-# STAGES: tests (~5 min), ab (~9), si (~1), stalls (~4: SASS stall samples), stallmetrics (~1);
+# STAGES: tests (~5 min), races (<= 5: racecheck / synccheck of dr), ab (~9), si (~1), stalls (~4:
+# SASS stall samples), stallmetrics (~1);
 # one call each, tests first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,6 +48,8 @@ if [[ " $STAGES " == *" tests "* ]]; then
   timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 ab2/tests_olean --gtest_brief=1 \
     --gtest_filter='CudaBackward.TokenRowsGroupOf16FourGroups:CudaWarmup.GqaD64TwoSequences:*KlValueKvMajor*' > "$OUT/memcheck.log" 2>&1
   echo "memcheck: exit $?"; tail -n 3 "$OUT/memcheck.log"
+fi
+if [[ " $STAGES " == *" races "* ]]; then
   # dr moves a release of shared memory: racecheck / synccheck on small token-row and per-head cases.
   for tool in racecheck synccheck; do
     timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 ab2/tests_dr --gtest_brief=1 \
