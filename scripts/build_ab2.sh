@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Rebuilds the ab2/ binaries scripts/gpu_next.sh compares (if the checkout that made them is gone),
 # each from its commit in a worktree under $WT (default /work/wt-ab2), sharing ccache
-# (CCACHE_BASEDIR=/work: a variant recompiles only what it changes). ab/run_si comes from
-# exp/bwd-group-major's scripts/build_ab_set.sh (branch exp/select-interleave).
+# (CCACHE_BASEDIR=/work: a variant recompiles only what it changes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WT=${WT:-/work/wt-ab2}
@@ -25,5 +24,6 @@ build lean exp/bwd-producer-lean tests
 build pf exp/bwd-producer-prefetch tests
 build dr exp/bwd-defer-release tests
 build olean exp/bwd-order-lean tests
+build si exp/select-interleave                 # the head-interleaved selector grid
 git worktree prune
 ls -la ab2

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next device calls (prepared in the sixteenth session, not run yet). Binaries, built here for
 # sm_90a and git-ignored (scripts/build_ab2.sh rebuilds them from their branches), travel with
-# carry ["ab2", "ab"]:
+# carry ["ab2"]:
 #   ab2/run_main    main's flashmsa_run (device code of 3b3dc60, the record)
 #   ab2/run_lean    branch exp/bwd-producer-lean: the wgmma backward's producer copies each 128-byte
 #                   row slab in one asm block (one source pointer with immediates, XOR-swizzled
@@ -17,7 +17,7 @@
 #                   that skipped that wait ran 1.5 ms faster); the producer then has ~2/3 of a step
 #                   to refill it
 #   ab2/tests_lean, ab2/tests_olean, ab2/tests_pf, ab2/tests_dr   their GPU test suites
-#   ab/run_si       exp/select-interleave (head-interleaved selector grid)
+#   ab2/run_si      exp/select-interleave (head-interleaved selector grid; a copy of ab/run_si)
 # The question (perf-notes, sixteenth session): the sweep builds ran 1.0 ms slower than main in
 # main's own CTA order with the consumers' loop unchanged; a SASS diff found only the producer's
 # step changed (a constant load on the copies' address chain, +4 instructions) and ncu ~4% more
@@ -31,8 +31,8 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/flashmsa-next}
 mkdir -p "$OUT"
 STAGES=${STAGES:-tests}
-for f in ab2/*.xz ab/run_si.xz; do [ -f "$f" ] && xz -d -f -T4 "$f"; done
-chmod +x ab2/* ab/* 2>/dev/null
+for f in ab2/*.xz; do [ -f "$f" ] && xz -d -f -T4 "$f"; done
+chmod +x ab2/* 2>/dev/null
 if [[ " $STAGES " == *" tests "* ]]; then
   timeout 240 ab2/tests_olean --gtest_brief=1 > "$OUT/tests_olean.log" 2>&1
   echo "olean tests: exit $?"; tail -n 3 "$OUT/tests_olean.log"
@@ -65,7 +65,7 @@ if [[ " $STAGES " == *" ab "* ]]; then
 fi
 if [[ " $STAGES " == *" si "* ]]; then  # selection only matters here: no fp64 check
   CHECK=0 ROUNDS=${ROUNDS:-3} CONFIGS="m3_8k:--seqlen 8192;m3_32k:--seqlen 32768;m3_64k:--seqlen 65536" \
-    VARIANTS="main=ab2/run_main;si=ab/run_si" OUT=$OUT/si bash scripts/gpu_ab.sh
+    VARIANTS="main=ab2/run_main;si=ab2/run_si" OUT=$OUT/si bash scripts/gpu_ab.sh
 fi
 # stalls: per issued instruction for one m3/64k backward launch of main and lean, then the SASS
 # with its stall samples (scripts/gpu_stalls.sh): the samples on the consumers' full-barrier waits
