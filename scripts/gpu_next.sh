@@ -23,8 +23,8 @@
 # step changed (a constant load on the copies' address chain, +4 instructions) and ncu ~4% more
 # memory stalls. If the producer's per-step chain is what the consumers wait for, lean is faster
 # than main, olean in block-major order ~ lean, and its sweep orders keep their 1.2-2.2 ms.
-# STAGES: tests (~5 min), races (<= 5: racecheck / synccheck of dr), ab (~9), si (~1), stalls (~4:
-# SASS stall samples), stallmetrics (~1);
+# STAGES: tests (~5 min), races (<= 5: racecheck / synccheck of dr), ab (~9), warm (~2: the dense
+# warm-up), si (~1), stalls (~4: SASS stall samples), stallmetrics (~1);
 # one call each, tests first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -62,6 +62,11 @@ if [[ " $STAGES " == *" ab "* ]]; then
   export CONFIGS=${CONFIGS:-"m3_64k:--seqlen 65536;m3_32k:--seqlen 32768;fm16k:--seqlen 16384 --heads 16 --kv-heads 2"}
   export VARIANTS=${VARIANTS:-"main=ab2/run_main;lean=ab2/run_lean;pf=ab2/run_pf;dr=ab2/run_dr;olean=ab2/run_olean;olean_o2=ab2/run_olean,FLASHMSA_BWD_ORDER=2;olean_o1=ab2/run_olean,FLASHMSA_BWD_ORDER=group"}
   OUT=$OUT bash scripts/gpu_ab.sh
+fi
+if [[ " $STAGES " == *" warm "* ]]; then  # the dense warm-up runs the same backward kernel (token rows)
+  ROUNDS=${ROUNDS:-2} CONFIGS="m3_16k_warmup:--seqlen 16384 --mode warmup" \
+    VARIANTS="main=ab2/run_main;lean=ab2/run_lean;pf=ab2/run_pf;dr=ab2/run_dr;olean=ab2/run_olean" \
+    OUT=$OUT/warm bash scripts/gpu_ab.sh
 fi
 if [[ " $STAGES " == *" si "* ]]; then  # selection only matters here: no fp64 check
   CHECK=0 ROUNDS=${ROUNDS:-3} CONFIGS="m3_8k:--seqlen 8192;m3_32k:--seqlen 32768;m3_64k:--seqlen 65536" \
