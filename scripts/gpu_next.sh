@@ -25,7 +25,9 @@
 # than main, olean in block-major order ~ lean, and its sweep orders keep their 1.2-2.2 ms.
 # STAGES: tests (~5 min), races (<= 5: racecheck / synccheck of dr), ab (~9), warm (~2: the dense
 # warm-up), si (~1), stalls (~4: SASS stall samples), stallmetrics (~1);
-# one call each, tests first.
+# one call each, tests first. All of them take ~26 of the 30 device minutes, so: tests, ab, then
+# races only if dr wins (it must pass them before landing), stalls / warm / si as time allows, and a
+# record run (gpu_check.sh, ~6 min) only for a variant that lands.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/flashmsa-next}
