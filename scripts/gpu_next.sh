@@ -14,8 +14,8 @@
 #                   producer's chain to the next stage); step loop 240 instructions
 #   ab2/run_dr      branch exp/bwd-defer-release = pf + a step's stage released part-way into the
 #                   next step instead of right after its dQ bulk reduce-adds (a timing-only build
-#                   that skipped that wait ran 1.5 ms faster); the producer then has ~2/3 of a step
-#                   to refill it
+#                   that skipped that wait: 44.9 against 46.2 / 47.5 ms, perf-notes); the producer
+#                   then has ~2/3 of a step to refill it
 #   ab2/tests_lean, ab2/tests_olean, ab2/tests_pf, ab2/tests_dr   their GPU test suites
 #   ab2/run_si      exp/select-interleave (head-interleaved selector grid; a copy of ab/run_si)
 # The question (perf-notes, sixteenth session): the sweep builds ran 1.0 ms slower than main in
@@ -24,7 +24,7 @@
 # memory stalls. If the producer's per-step chain is what the consumers wait for, lean is faster
 # than main, olean in block-major order ~ lean, and its sweep orders keep their 1.2-2.2 ms.
 # STAGES: tests (~5 min), races (<= 5: racecheck / synccheck of dr), ab (~9), warm (~2: the dense
-# warm-up), si (~1), stalls (~4: SASS stall samples), stallmetrics (~1);
+# warm-up), si (~1), stalls (~4: stall reasons and SASS stall samples);
 # one call each, tests first. All of them take ~26 of the 30 device minutes, so: tests, ab, then
 # races only if dr wins (it must pass them before landing), stalls / warm / si as time allows, and a
 # record run (gpu_check.sh, ~6 min) only for a variant that lands.
@@ -38,15 +38,11 @@ chmod +x ab2/* 2>/dev/null
 if [[ " $STAGES " == *" tests "* ]]; then
   timeout 240 ab2/tests_olean --gtest_brief=1 > "$OUT/tests_olean.log" 2>&1
   echo "olean tests: exit $?"; tail -n 3 "$OUT/tests_olean.log"
-  timeout 120 ab2/tests_lean --gtest_brief=1 \
-    --gtest_filter='CudaBackward.*:CudaWarmup.*:CudaGraph.*:CudaForward.*Kl*:CudaWorkspace.*' > "$OUT/tests_lean.log" 2>&1
-  echo "lean tests: exit $?"; tail -n 3 "$OUT/tests_lean.log"
-  timeout 120 ab2/tests_pf --gtest_brief=1 \
-    --gtest_filter='CudaBackward.*:CudaWarmup.*:CudaGraph.*:CudaForward.*Kl*:CudaWorkspace.*' > "$OUT/tests_pf.log" 2>&1
-  echo "pf tests: exit $?"; tail -n 3 "$OUT/tests_pf.log"
-  timeout 120 ab2/tests_dr --gtest_brief=1 \
-    --gtest_filter='CudaBackward.*:CudaWarmup.*:CudaGraph.*:CudaForward.*Kl*:CudaWorkspace.*' > "$OUT/tests_dr.log" 2>&1
-  echo "dr tests: exit $?"; tail -n 3 "$OUT/tests_dr.log"
+  for v in lean pf dr; do  # the tests that run the changed backward kernel (incl. the KL value's)
+    timeout 120 "ab2/tests_$v" --gtest_brief=1 \
+      --gtest_filter='CudaBackward.*:CudaWarmup.*:CudaGraph.*:CudaForward.*Kl*:CudaWorkspace.*' > "$OUT/tests_$v.log" 2>&1
+    echo "$v tests: exit $?"; tail -n 3 "$OUT/tests_$v.log"
+  done
   timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 ab2/tests_olean --gtest_brief=1 \
     --gtest_filter='CudaBackward.TokenRowsGroupOf16FourGroups:CudaWarmup.GqaD64TwoSequences:*KlValueKvMajor*' > "$OUT/memcheck.log" 2>&1
   echo "memcheck: exit $?"; tail -n 3 "$OUT/memcheck.log"
@@ -74,23 +70,16 @@ if [[ " $STAGES " == *" si "* ]]; then  # selection only matters here: no fp64 c
   CHECK=0 ROUNDS=${ROUNDS:-3} CONFIGS="m3_8k:--seqlen 8192;m3_32k:--seqlen 32768;m3_64k:--seqlen 65536" \
     VARIANTS="main=ab2/run_main;si=ab2/run_si" OUT=$OUT/si bash scripts/gpu_ab.sh
 fi
-# stalls: per issued instruction for one m3/64k backward launch of main and lean, then the SASS
-# with its stall samples (scripts/gpu_stalls.sh): the samples on the consumers' full-barrier waits
+# stalls: one m3/64k backward launch per variant under ncu (scripts/gpu_stalls.sh): its stall
+# reasons per issued instruction (top lines printed, all in bwd_<v>_details.txt) and the SASS with
+# its stall samples, summarised by sass_stalls.py: the samples on the consumers' full-barrier waits
 # are the time they wait for the producer's stage.
 if [[ " $STAGES " == *" stalls "* ]]; then
   for v in main lean pf dr; do
     mkdir -p "/tmp/bin_$v" && ln -sf "$PWD/ab2/run_$v" "/tmp/bin_$v/flashmsa_run"
-    BIN=/tmp/bin_$v OUT=$OUT SEQ=65536 NAME=bwd_$v timeout 200 bash scripts/gpu_stalls.sh > /dev/null
+    echo "== $v"
+    BIN=/tmp/bin_$v OUT=$OUT SEQ=65536 NAME=bwd_$v timeout 200 bash scripts/gpu_stalls.sh | head -8
     python3 scripts/sass_stalls.py "$OUT/bwd_${v}_sass.csv" 12
     gzip -f "$OUT/bwd_${v}_sass.csv"
-  done
-fi
-if [[ " $STAGES " == *" stallmetrics "* ]]; then
-  for b in ab2/run_main ab2/run_lean; do
-    timeout 150 ncu --clock-control none -k regex:attn_bwd_wgmma_kernel --launch-count 1 \
-      --metrics 'gpu__time_duration.sum,smsp__inst_executed.sum,smsp__average_warp_latency_per_inst_issued.ratio,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
-      "$b" --device cuda --seqlen 65536 --iters 1 --check-tokens 0 --quiet > "$OUT/stalls_$(basename "$b").log" 2>&1
-    echo "== $b (exit $?)"
-    grep -E "gpu__time|inst_executed|latency_per_inst|stalled_(no_instruction|long_scoreboard|barrier|wait|short_scoreboard|mio|lg_throttle)" "$OUT/stalls_$(basename "$b").log" | sed -E 's/ +/ /g'
   done
 fi

@@ -20,9 +20,12 @@ def main() -> None:
     total = sum(num(r[i_all]) for r in data)
     print(f"{path}: {total:.0f} samples over {len(data)} instructions")
     for r in sorted(data, key=lambda r: -num(r[i_all]))[:top]:
-        why = sorted(((num(r[i]), hdr[i][6:]) for i in reasons), reverse=True)[:2]
+        n_all = max(num(r[i_all]), 1)
+        why = sorted(((num(r[i]), hdr[i][6:]) for i in reasons), reverse=True)
+        named = sum(n for n, _ in why)  # the CSV names no reason for some samples (e.g. HGMMA's)
         print(f"  {100 * num(r[i_all]) / total:5.1f}%  {r[i_src].strip()[:64]:64s} "
-              + ", ".join(f"{w} {n / max(num(r[i_all]), 1):.0%}" for n, w in why if n > 0)
+              + ", ".join(f"{w} {n / n_all:.0%}" for n, w in why[:2] if n > 0)
+              + (f", unnamed {1 - named / n_all:.0%}" if named < 0.9 * n_all else "")
               + f"  (executed {r[i_exec]})")
     spins = bars = 0.0
     for k, r in enumerate(data[:-1]):

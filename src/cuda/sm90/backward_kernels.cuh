@@ -192,6 +192,7 @@ __global__ void __launch_bounds__(128) proxy_lse_kernel(
     float* __restrict__ part_max,   // [Hp, T, K]
     float* __restrict__ part_sum) { // [Hp, T, K]
   extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* base = WG ? smem + ((1024u - (smem_u32(smem) & 1023u)) & 1023u) : smem;  // WG: 1024-aligned
   const int nlists = Hp * ix.NB;
   const int total = ix.seg_start[nlists];
   const int64_t first = static_cast<int64_t>(blockIdx.x) * range;
@@ -212,7 +213,6 @@ __global__ void __launch_bounds__(128) proxy_lse_kernel(
     bc.begin = a;
     bc.end = min(bc.end, r1);
     // Every thread passed the previous piece's last barrier: its Kp and tiles are no longer read.
-    unsigned char* base = WG ? smem + ((1024u - (smem_u32(smem) & 1023u)) & 1023u) : smem;  // WG: aligned
     proxy_lse_piece<D, WG>(qp, kp, ix, bc, p, p / (Hp / Hpk), Hp, Hpk, scale_p, base, part_max, part_sum);
   }
 }

@@ -238,13 +238,18 @@ int resident_ctas(Kernel kernel, int threads, int smem) {
   return std::max(1, sm_count(device) * per_sm);
 }
 
+// Whether environment variable `name` holds exactly `value` (the knobs below are read per call).
+bool env_is(const char* name, const char* value) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::strcmp(v, value) == 0;
+}
+
 // Whether the wgmma backward alternates its list walk per wave (FoldArgs::wave_ctas): the dense
 // warm-up always (its lists all end at the sequence end); FLASHMSA_BWD_WAVES=1 also for sparse
 // lists (A/B timing), =0 never; read per call.
 bool alternate_waves(const MsaParams& p) {
-  const char* v = std::getenv("FLASHMSA_BWD_WAVES");
-  if (v != nullptr && std::strcmp(v, "1") == 0) return true;
-  if (v != nullptr && std::strcmp(v, "0") == 0) return false;
+  if (env_is("FLASHMSA_BWD_WAVES", "1")) return true;
+  if (env_is("FLASHMSA_BWD_WAVES", "0")) return false;
   return p.all_blocks;
 }
 
@@ -252,24 +257,15 @@ bool alternate_waves(const MsaParams& p) {
 // take the wgmma kernel (A/B timing, and a fallback); =wgmma makes it an error when the wgmma
 // kernel does not take the problem (tests); read per call. Any other value, or none: the default
 // routing.
-bool backward_path_forces_mma() {
-  const char* path = std::getenv("FLASHMSA_BACKWARD_PATH");
-  return path != nullptr && std::strcmp(path, "mma") == 0;
-}
+bool backward_path_forces_mma() { return env_is("FLASHMSA_BACKWARD_PATH", "mma"); }
 // FLASHMSA_BWD_ROWS=0 keeps the fast wgmma backward's per-head 64-token tiles for groups of 8
 // or 16 heads (A/B timing); otherwise they take the token-row tiles (RM, backward_wgmma.cuh).
 // =1 makes it an error when the token-row tiles do not take a problem (tests). Read per call.
-bool backward_rows_env(const char* value) {
-  const char* v = std::getenv("FLASHMSA_BWD_ROWS");
-  return v != nullptr && std::strcmp(v, value) == 0;
-}
+bool backward_rows_env(const char* value) { return env_is("FLASHMSA_BWD_ROWS", value); }
 // FLASHMSA_DET_DQ=query: deterministic mode's dq from the query-major kernel (beside the per-head
 // DET form) where the token-row DET form would compute dq and dqp as int32 fixed point; =kv makes
 // it an error when that form does not take the problem (tests). Read per call.
-bool det_dq_env(const char* value) {
-  const char* v = std::getenv("FLASHMSA_DET_DQ");
-  return v != nullptr && std::strcmp(v, value) == 0;
-}
+bool det_dq_env(const char* value) { return env_is("FLASHMSA_DET_DQ", value); }
 
 // kl_coeff / (Hp*T): the KL value's factor on its sum of terms, and dS_proxy's before g.
 float kl_c_base(const MsaParams& p) {
@@ -331,9 +327,8 @@ void launch_student_lse(const MsaParams& p, cudaStream_t stream, const bwd::Inde
     FLASHMSA_CHECK_LAUNCH();
   };
   // D = 128 on warpgroup MMA unless FLASHMSA_PROXY_LSE=mma (A/B timing; read per call).
-  const char* form = std::getenv("FLASHMSA_PROXY_LSE");
   if constexpr (D == 128) {
-    if (form == nullptr || std::strcmp(form, "mma") != 0)
+    if (!env_is("FLASHMSA_PROXY_LSE", "mma"))
       partials(bwd::proxy_lse_kernel<128, true>, bwd::proxy_lse_smem_bytes<128, true>());
     else
       partials(bwd::proxy_lse_kernel<128>, bwd::proxy_lse_smem_bytes<128, false>());
@@ -470,10 +465,7 @@ KlValuePlan plan_kl_value(const MsaParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-bool backward_path_requires_wgmma() {
-  const char* path = std::getenv("FLASHMSA_BACKWARD_PATH");
-  return path != nullptr && std::strcmp(path, "wgmma") == 0;
-}
+bool backward_path_requires_wgmma() { return env_is("FLASHMSA_BACKWARD_PATH", "wgmma"); }
 
 bool wgmma_kv_applies(const MsaParams& p) {
   // Groups of m = H/Hp >= 2 heads, whole groups per kv head: (H/Hkv) % m == 0, i.e. G = Hp/Hkv
