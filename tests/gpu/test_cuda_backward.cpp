@@ -579,6 +579,19 @@ void check_token_rows(const Shape& s, uint64_t seed) {
     gputest::ScopedEnv env("FLASHMSA_BWD_ROWS", "0");
     per_head = run_gpu(d, st, false);
   }
+  // FLASHMSA_BWD_ORDER=group: the same CTAs in another order (one proxy group's after the other's):
+  // close to the default order (the fp32 adds run in another order), and bitwise equal to it in
+  // deterministic mode (owned dk / dv, integer dq sums, the KL share in per-(group, block) slots).
+  Grads group_order, det_group_order;
+  {
+    gputest::ScopedEnv rows_env("FLASHMSA_BWD_ROWS", "1");
+    gputest::ScopedEnv order_env("FLASHMSA_BWD_ORDER", "group");
+    group_order = run_gpu(d, st, false);
+    gputest::ScopedEnv dq_env("FLASHMSA_DET_DQ", "kv");
+    det_group_order = run_gpu(d, st, true);
+  }
+  compare(group_order, cpu, "token rows, group-major CTAs");
+  expect_close(group_order, rows, "group-major vs block-major CTAs");
   compare(rows, cpu, "token rows");
   compare(per_head, cpu, "per-head tiles");
   expect_close(rows, per_head, "token rows vs per-head tiles");
@@ -594,6 +607,7 @@ void check_token_rows(const Shape& s, uint64_t seed) {
     compare(det, cpu, "det token rows");
     expect_bitwise_reruns(d, st, det, 3, "det token rows");
   }
+  EXPECT_TRUE(det_group_order.raw == det.raw) << "deterministic mode: the CTA order changed the bits";
   {
     gputest::ScopedEnv dq_env("FLASHMSA_DET_DQ", "query");
     det_query = run_gpu(d, st, true);

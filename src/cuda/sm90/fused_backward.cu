@@ -204,6 +204,15 @@ int resident_ctas(Kernel kernel, int threads, int smem) {
   return std::max(1, sm_count(device) * per_sm);
 }
 
+// FLASHMSA_BWD_ORDER=group: the wgmma backward's CTAs one proxy group after the other (FoldArgs::
+// group_major) where each kv head holds one group (G = 1); anything else: block-major (proxy group
+// fastest, the order the SHARED_KV form needs: a key block's G groups share its K / V in L2). Read
+// per call.
+bool group_major_order() {
+  const char* v = std::getenv("FLASHMSA_BWD_ORDER");
+  return v != nullptr && std::strcmp(v, "group") == 0;
+}
+
 // Whether the wgmma backward alternates its list walk per wave (FoldArgs::wave_ctas): the dense
 // warm-up always (its lists all end at the sequence end); FLASHMSA_BWD_WAVES=1 also for sparse
 // lists (A/B timing), =0 never; read per call.
@@ -361,6 +370,7 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
           set_smem(kernel, smem);
           bwd::FoldArgs fw = fa;
           if (alternate_waves(p)) fw.wave_ctas = resident_ctas(kernel, bwd::WgBwd::kThreads, smem);
+          fw.group_major = !shared_kv && group_major_order() ? 1 : 0;
           kernel<<<static_cast<unsigned>(ix.NB) * p.Hp, bwd::WgBwd::kThreads, smem, stream>>>(
               q, k, v, static_cast<const bf16*>(p.d_o), p.lse, di, ix, p.H, p.Hkv, p.Hp, p.scale,
               static_cast<float*>(dq_acc), static_cast<bf16*>(p.dk), static_cast<bf16*>(p.dv), fw, fx, dk_acc,
