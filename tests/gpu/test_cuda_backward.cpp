@@ -582,16 +582,24 @@ void check_token_rows(const Shape& s, uint64_t seed) {
   // FLASHMSA_BWD_ORDER=group: the same CTAs in another order (one proxy group's after the other's):
   // close to the default order (the fp32 adds run in another order), and bitwise equal to it in
   // deterministic mode (owned dk / dv, integer dq sums, the KL share in per-(group, block) slots).
-  Grads group_order, det_group_order;
+  // FLASHMSA_BWD_WAVES=0: every list walked the same way in both orders (a per-wave walk direction
+  // would follow the CTA index and reorder the fp32 register sums of dK and dV).
+  Grads group_order, per_head_group_order, det_group_order;
   {
-    gputest::ScopedEnv rows_env("FLASHMSA_BWD_ROWS", "1");
+    gputest::ScopedEnv waves_env("FLASHMSA_BWD_WAVES", "0");
     gputest::ScopedEnv order_env("FLASHMSA_BWD_ORDER", "group");
+    {
+      gputest::ScopedEnv rows_env("FLASHMSA_BWD_ROWS", "0");
+      per_head_group_order = run_gpu(d, st, false);
+    }
+    gputest::ScopedEnv rows_env("FLASHMSA_BWD_ROWS", "1");
     group_order = run_gpu(d, st, false);
     gputest::ScopedEnv dq_env("FLASHMSA_DET_DQ", "kv");
     det_group_order = run_gpu(d, st, true);
   }
   compare(group_order, cpu, "token rows, group-major CTAs");
   expect_close(group_order, rows, "group-major vs block-major CTAs");
+  compare(per_head_group_order, cpu, "per-head tiles, group-major CTAs");
   compare(rows, cpu, "token rows");
   compare(per_head, cpu, "per-head tiles");
   expect_close(rows, per_head, "token rows vs per-head tiles");
@@ -601,6 +609,7 @@ void check_token_rows(const Shape& s, uint64_t seed) {
   // the per-head DET form (FLASHMSA_DET_DQ=query).
   Grads det, det_query;
   {
+    gputest::ScopedEnv waves_env("FLASHMSA_BWD_WAVES", "0");
     gputest::ScopedEnv rows_env("FLASHMSA_BWD_ROWS", "1");
     gputest::ScopedEnv dq_env("FLASHMSA_DET_DQ", "kv");  // an error unless the int32 dq form runs
     det = run_gpu(d, st, true);
@@ -608,6 +617,7 @@ void check_token_rows(const Shape& s, uint64_t seed) {
     expect_bitwise_reruns(d, st, det, 3, "det token rows");
   }
   EXPECT_TRUE(det_group_order.raw == det.raw) << "deterministic mode: the CTA order changed the bits";
+  EXPECT_EQ(float_bits(det_group_order.kl), float_bits(det.kl)) << "deterministic mode: the CTA order changed kl";
   {
     gputest::ScopedEnv dq_env("FLASHMSA_DET_DQ", "query");
     det_query = run_gpu(d, st, true);
@@ -622,6 +632,13 @@ TEST(CudaBackward, TokenRowsGroupOf8) {
   GPUTEST_REQUIRE_DEVICE();
   // gqa8 ratios: 8 tokens x 8 heads per tile; a partial last block and a short second sequence.
   check_token_rows(shape(16, 2, 2, 1, 128, 16, {2200, 333}), 50);
+}
+
+TEST(CudaBackward, TokenRowsGroupOf16TwoGroups) {
+  GPUTEST_REQUIRE_DEVICE();
+  // m3 ratios (groups of 16 heads, one per kv head) with two proxy groups, so that the grid orders
+  // (block-major, FLASHMSA_BWD_ORDER=group) differ.
+  check_token_rows(shape(32, 2, 2, 1, 128, 16, {2200, 333}), 52);
 }
 
 TEST(CudaBackward, TokenRowsGroupOf16ManyShortSequences) {
