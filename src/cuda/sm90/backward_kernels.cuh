@@ -329,9 +329,10 @@ struct FoldArgs {
   // > 0 (dense warm-up): CTAs per wave (one per SM); the wgmma kernel's odd waves walk their lists
   // ascending, the even ones descending (see attn_bwd_wgmma_kernel).
   int wave_ctas = 0;
-  // 1: the wgmma kernel's CTA (p, g) is blockIdx = p * NB + g (one proxy group's blocks after the
-  // other's) instead of g * Hp + p (FLASHMSA_BWD_ORDER=group, G = 1 only; see fused_backward.cu).
-  int group_major = 0;
+  // > 0: the wgmma kernel's CTAs sweep the key blocks sweep_groups proxy groups at a time (1: one
+  // group's blocks after the other's, blockIdx = p NB + g; Hp: block-major) instead of the default
+  // g Hp + p (FLASHMSA_BWD_ORDER, G = 1 only; see fused_backward.cu). A divisor of Hp.
+  int sweep_groups = 0;
 };
 
 // DQ = false: no dq here (the deterministic mode's query-major dq, backward_dq.cu). A template

@@ -333,13 +333,13 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
 
   // Same grid order as attn_bwd_kernel: proxy group fastest (here one segment = one group), so
   // the G groups of one kv head and key block (SHARED_KV) are neighbours in the grid.
-  // group_major (G = 1): one proxy group's CTAs after the other's, so the CTAs resident at a time
-  // gather and reduce into one group's q / dO / dq rows (a quarter of the bytes at m3), which then
-  // stay in L2 between the blocks' visits (scripts/model_backward_l2.py).
-  // Compiled out of the SHARED_KV and KL_ONLY forms (the host sets it for neither; they spilled).
-  const bool group_major = !SHARED_KV && !KL_ONLY && fa.group_major;
-  const int g = group_major ? blockIdx.x % ix.NB : blockIdx.x / Hp;
-  const int p = group_major ? blockIdx.x / ix.NB : blockIdx.x % Hp;
+  // sweep_groups = P > 0 (G = 1): the key blocks swept P proxy groups at a time, so the CTAs resident
+  // at a time gather and reduce into P groups' q / dO / dq rows (P / Hp of the bytes), which then
+  // stay in L2 between the blocks' visits (scripts/model_backward_l2.py). Compiled out of the
+  // SHARED_KV and KL_ONLY forms (the host sets it for neither; they spilled).
+  const int sweep = !SHARED_KV && !KL_ONLY ? fa.sweep_groups : 0;
+  const int g = sweep > 0 ? (blockIdx.x / sweep) % ix.NB : blockIdx.x / Hp;
+  const int p = sweep > 0 ? sweep * (blockIdx.x / (sweep * ix.NB)) + blockIdx.x % sweep : blockIdx.x % Hp;
   const int m = H / Hp;
   if (RM > 0 && m != RM) __trap();  // token rows assume groups of exactly RM heads (host-checked)
   // Group p's heads p*m.. lie in kv head p*m / (H/Hkv) = p / G. The G = 1 backward keeps the
