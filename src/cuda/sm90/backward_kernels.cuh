@@ -329,9 +329,10 @@ struct FoldArgs {
   // > 0 (dense warm-up): CTAs per wave (one per SM); the wgmma kernel's odd waves walk their lists
   // ascending, the even ones descending (see attn_bwd_wgmma_kernel).
   int wave_ctas = 0;
-  // > 0: the wgmma kernel's CTAs sweep the key blocks sweep_groups proxy groups at a time (1: one
-  // group's blocks after the other's, blockIdx = p NB + g; Hp: block-major) instead of the default
-  // g Hp + p (FLASHMSA_BWD_ORDER, G = 1 only; see fused_backward.cu). A divisor of Hp.
+  // The G = 1 wgmma kernel's CTA order: the key blocks swept sweep_groups proxy groups at a time
+  // (Hp: block-major, blockIdx = g Hp + p; 1: one group's blocks after the other's, p NB + g;
+  // FLASHMSA_BWD_ORDER, see fused_backward.cu). A divisor of Hp; set by the host for every G = 1
+  // launch (the SHARED_KV and KL_ONLY forms are always block-major).
   int sweep_groups = 0;
 };
 

@@ -337,9 +337,12 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   // at a time gather and reduce into P groups' q / dO / dq rows (P / Hp of the bytes), which then
   // stay in L2 between the blocks' visits (scripts/model_backward_l2.py). Compiled out of the
   // SHARED_KV and KL_ONLY forms (the host sets it for neither; they spilled).
-  const int sweep = !SHARED_KV && !KL_ONLY ? fa.sweep_groups : 0;
-  const int g = sweep > 0 ? (blockIdx.x / sweep) % ix.NB : blockIdx.x / Hp;
-  const int p = sweep > 0 ? sweep * (blockIdx.x / (sweep * ix.NB)) + blockIdx.x % sweep : blockIdx.x % Hp;
+  // One formula for every order (sweep = Hp is block-major): a select between two index forms
+  // cost the G = 1 forms ~100 SASS instructions and 32 more convergence regions.
+  constexpr bool kSweep = !SHARED_KV && !KL_ONLY;
+  const int sweep = fa.sweep_groups;
+  const int g = kSweep ? (blockIdx.x / sweep) % ix.NB : blockIdx.x / Hp;
+  const int p = kSweep ? sweep * (blockIdx.x / (sweep * ix.NB)) + blockIdx.x % sweep : blockIdx.x % Hp;
   const int m = H / Hp;
   if (RM > 0 && m != RM) __trap();  // token rows assume groups of exactly RM heads (host-checked)
   // Group p's heads p*m.. lie in kv head p*m / (H/Hkv) = p / G. The G = 1 backward keeps the
