@@ -330,9 +330,9 @@ struct FoldArgs {
   // ascending, the even ones descending (see attn_bwd_wgmma_kernel).
   int wave_ctas = 0;
   // The G = 1 wgmma kernel's CTA order: the key blocks swept sweep_groups proxy groups at a time
-  // (Hp: block-major, blockIdx = g Hp + p; 1: one group's blocks after the other's, p NB + g;
-  // FLASHMSA_BWD_ORDER, see fused_backward.cu). A divisor of Hp; set by the host for every G = 1
-  // launch (the SHARED_KV and KL_ONLY forms are always block-major).
+  // (Hp: block-major; 1: one group's blocks after the other's; grid (NB sweep_groups, Hp /
+  // sweep_groups); FLASHMSA_BWD_ORDER, see fused_backward.cu). A divisor of Hp, set by the host
+  // for every G = 1 launch (the SHARED_KV and KL_ONLY forms are always block-major).
   int sweep_groups = 0;
 };
 

@@ -333,16 +333,15 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
 
   // Same grid order as attn_bwd_kernel: proxy group fastest (here one segment = one group), so
   // the G groups of one kv head and key block (SHARED_KV) are neighbours in the grid.
-  // sweep_groups = P > 0 (G = 1): the key blocks swept P proxy groups at a time, so the CTAs resident
-  // at a time gather and reduce into P groups' q / dO / dq rows (P / Hp of the bytes), which then
-  // stay in L2 between the blocks' visits (scripts/model_backward_l2.py). Compiled out of the
-  // SHARED_KV and KL_ONLY forms (the host sets it for neither; they spilled).
-  // One formula for every order (sweep = Hp is block-major): a select between two index forms
-  // cost the G = 1 forms ~100 SASS instructions and 32 more convergence regions.
+  // The G = 1 forms sweep the key blocks S = fa.sweep_groups proxy groups at a time (FoldArgs):
+  // blockIdx.x = g S + p % S, blockIdx.y = p / S; S = Hp (one row) is block-major, the only order
+  // of the SHARED_KV and KL_ONLY forms. One division, by S as before by Hp: the 1-D form
+  // (g = x / S % NB, a second division) ran m3/64k 1.1-1.5 ms slower in block-major order, with
+  // the consumers' loop unchanged and the hot loop's offset ruled out (perf-notes); whether this
+  // form escapes that is not measured yet. The dense warm-up's waves (wave_ctas) count along x.
   constexpr bool kSweep = !SHARED_KV && !KL_ONLY;
-  const int sweep = fa.sweep_groups;
-  const int g = kSweep ? (blockIdx.x / sweep) % ix.NB : blockIdx.x / Hp;
-  const int p = kSweep ? sweep * (blockIdx.x / (sweep * ix.NB)) + blockIdx.x % sweep : blockIdx.x % Hp;
+  const int S = kSweep ? fa.sweep_groups : Hp;
+  const int g = blockIdx.x / S, p = (kSweep ? static_cast<int>(blockIdx.y) * S : 0) + blockIdx.x % S;
   const int m = H / Hp;
   if (RM > 0 && m != RM) __trap();  // token rows assume groups of exactly RM heads (host-checked)
   // Group p's heads p*m.. lie in kv head p*m / (H/Hkv) = p / G. The G = 1 backward keeps the

@@ -375,7 +375,8 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
           bwd::FoldArgs fw = fa;
           if (alternate_waves(p)) fw.wave_ctas = resident_ctas(kernel, bwd::WgBwd::kThreads, smem);
           fw.sweep_groups = shared_kv ? p.Hp : sweep_groups(p.Hp);
-          kernel<<<static_cast<unsigned>(ix.NB) * p.Hp, bwd::WgBwd::kThreads, smem, stream>>>(
+          const dim3 grid(static_cast<unsigned>(ix.NB) * fw.sweep_groups, p.Hp / fw.sweep_groups);
+          kernel<<<grid, bwd::WgBwd::kThreads, smem, stream>>>(
               q, k, v, static_cast<const bf16*>(p.d_o), p.lse, di, ix, p.H, p.Hkv, p.Hp, p.scale,
               static_cast<float*>(dq_acc), static_cast<bf16*>(p.dk), static_cast<bf16*>(p.dv), fw, fx, dk_acc,
               dv_acc);
