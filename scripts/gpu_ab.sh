@@ -4,7 +4,7 @@
 #   VARIANTS  "name=binary[,VAR=value...];..."   e.g. "main=ab/run_main;group=ab/run_br,FLASHMSA_BWD_ORDER=group"
 #             (binary.xz is unpacked first)
 #   CONFIGS   "name:flashmsa_run arguments;..."  default: m3 at 64k and 32k
-#   ROUNDS    rounds of every (config, variant) pair, alternating (default 2)
+#   ROUNDS    rounds of every (config, variant) pair, alternating, the order rotated per round (default 2)
 #   CHECK     flashmsa_run's --check-tokens (default 1: each run is also checked against fp64)
 # Every run's phases go to $OUT/ab.log; the table at the end gives, per config and variant, each
 # phase's times over the rounds (ms) and whether every run passed its check.
@@ -31,7 +31,10 @@ for ((r = 1; r <= ROUNDS; r++)); do
   for c in "${CFGS[@]}"; do
     cname=${c%%:*}
     args=${c#*:}
-    for v in "${VARS[@]}"; do
+    # Round r starts at variant r - 1 (rotated): the first run after a shape change read slower
+    # select_blocks times, and a fixed order put that on the first variant only.
+    for ((j = 0; j < ${#VARS[@]}; j++)); do
+      v=${VARS[$(((j + r - 1) % ${#VARS[@]}))]}
       vname=${v%%=*}
       spec=${v#*=}
       bin=${spec%%,*}
