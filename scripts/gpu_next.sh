@@ -4,11 +4,13 @@
 # head-interleaved selector (exp/select-interleave) as a side variant.
 #   ab/run_main (main's flashmsa_run), ab/run_si (exp/select-interleave's) and scratch-gpu/ (this
 #   branch, scripts/build_gpu_bundle.sh). STAGES="tests", "ab" or "layout" (one call each: tests ~3
-#   minutes, the A/B ~8 at ROUNDS=2, layout ~5), ROUNDS (default 2), CONFIGS as in gpu_ab.sh.
+#   minutes, the A/B ~8 at ROUNDS=2, layout ~6), ROUNDS (default 2), CONFIGS as in gpu_ab.sh.
 # layout: is the 1-D form's +1.1-1.5 ms (perf-notes) the distance between the consumers' hot loop
 # and the producer's code (0xb6e0 bytes in main, 0x40 more in this branch and its 1-D form)? main
 # and this branch with 4 / 8 / 12 producer nanosleeps (scripts/build_layout_variant.sh N
-# ab/run_main_pN on main; 4 on this branch: ab/run_grid2d_p4, main's distance mod 128).
+# ab/run_main_pN on main; 4 on this branch: ab/run_grid2d_p4, main's distance mod 128), and main
+# with the forward's producer moved by 4 (KERNEL=forward ...: ab/run_main_f4; its hot loop is 11 KB,
+# the backward's 36 KB).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/flashmsa-next}
@@ -33,6 +35,6 @@ fi
 if [[ " $STAGES " == *" layout "* ]]; then
   export ROUNDS=${ROUNDS:-2}
   export CONFIGS=${CONFIGS:-"m3_64k:--seqlen 65536"}
-  export VARIANTS=${VARIANTS:-"main=ab/run_main;main_p4=ab/run_main_p4;main_p8=ab/run_main_p8;main_p12=ab/run_main_p12;grid2d=$BIN/flashmsa_run;grid2d_p4=ab/run_grid2d_p4"}
+  export VARIANTS=${VARIANTS:-"main=ab/run_main;main_p4=ab/run_main_p4;main_p8=ab/run_main_p8;main_p12=ab/run_main_p12;grid2d=$BIN/flashmsa_run;grid2d_p4=ab/run_grid2d_p4;main_f4=ab/run_main_f4"}
   OUT=$OUT bash scripts/gpu_ab.sh
 fi
