@@ -5,7 +5,7 @@
 #   ab/run_main (main's flashmsa_run), ab/run_si (exp/select-interleave's) and scratch-gpu/ (this
 #   branch, scripts/build_gpu_bundle.sh). STAGES="tests", "ab" or "layout" (one call each: tests ~3
 #   minutes, the A/B ~8 at ROUNDS=2, layout ~6), ROUNDS (default 2), CONFIGS as in gpu_ab.sh.
-# layout: is the 1-D form's +1.1-1.5 ms (perf-notes) the distance between the consumers' hot loop
+# layout: is the 1-D form's +1.0-1.5 ms (perf-notes) the distance between the consumers' hot loop
 # and the producer's code (0xb6e0 bytes in main, 0x40 more in this branch and its 1-D form)? main
 # and this branch with 4 / 8 / 12 producer nanosleeps (scripts/build_layout_variant.sh N
 # ab/run_main_pN on main; 4 on this branch: ab/run_grid2d_p4, main's distance mod 128), and main

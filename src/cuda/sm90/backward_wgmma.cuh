@@ -336,7 +336,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   // The G = 1 forms sweep the key blocks S = fa.sweep_groups proxy groups at a time (FoldArgs):
   // blockIdx.x = g S + p % S, blockIdx.y = p / S; S = Hp (one row) is block-major, the only order
   // of the SHARED_KV and KL_ONLY forms. One division, by S as before by Hp: the 1-D form
-  // (g = x / S % NB, a second division) ran m3/64k 1.1-1.5 ms slower in block-major order, with
+  // (g = x / S % NB, a second division) ran m3/64k 1.0-1.5 ms slower in block-major order, with
   // the consumers' loop unchanged and the hot loop's offset ruled out (perf-notes); whether this
   // form escapes that is not measured yet. The dense warm-up's waves (wave_ctas) count along x.
   constexpr bool kSweep = !SHARED_KV && !KL_ONLY;
