@@ -675,6 +675,116 @@ TEST(CudaForward, WgmmaKvOverflowRowsRecomputed) {
   check_overflow_recomputed(shape(32, 2, 2, 1, 128, 8, {1900, 700}), 148, /*det=*/true);
 }
 
+// Deterministic mode flags a token (recomputed query-major) when one of its rows sums to more than
+// 2^27 over a block (kOverflowSumDet); below that the rows stay KV-major, in fixed point with
+// l <= K 2^27. Band tokens: one head's q set to c k_j for a key j earlier in the token's own block,
+// c chosen on the host so that score(j) - score(t) = 16.3 (natural units: the block sums to
+// ~2^23.5, between the old 2^20 and 2^27). Far tokens: that head's q times 64 (sums far past 2^27).
+// The recompute runs forward_unit, the kernel of a whole query-major run (FLASHMSA_DET_FWD=query),
+// so far tokens must carry that run's bits (the control that gives the next check its meaning) and
+// band tokens must not (they stay KV-major; under a 2^20 threshold all of them would be recomputed).
+// All within the tolerances of the CPU backend.
+TEST(CudaForward, WgmmaKvDeterministicFlagThreshold) {
+  GPUTEST_REQUIRE_DEVICE();
+  ScopedForwardPath path("wgmma");
+  Problem pr;
+  gputest::make_problem(pr, shape(32, 2, 2, 1, 128, 8, {1900, 700}), 157);  // m = 16
+  const Shape& s = pr.s;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(s.D));
+  const int per_kv = s.H / s.Hkv, per_p = s.H / s.Hp;
+  auto qrow = [&](int64_t t, int h) { return pr.q.data() + (t * s.H + h) * s.D; };
+  auto krow = [&](int64_t j, int kvh) { return pr.k.data() + (j * s.Hkv + kvh) * s.D; };
+  enum Kind { kPlain, kBand, kFar };
+  std::vector<Kind> kind(pr.T, kPlain);
+  for (int b = 0; b < pr.B; ++b)
+    for (int64_t t = pr.cu[b]; t < pr.cu[b + 1]; ++t) {
+      const int64_t local = t - pr.cu[b];
+      const int stretch = static_cast<int>((t / 300) % 3);
+      if (stretch == 0 || local % 128 < 8) continue;
+      const int h = static_cast<int>(t % s.H), kvh = h / per_kv;
+      uint16_t* q = qrow(t, h);
+      if (stretch == 2) {
+        for (int d = 0; d < s.D; ++d)
+          if ((q[d] & 0x7f80) != 0) q[d] = static_cast<uint16_t>(q[d] + (6 << 7));  // x 64
+        kind[t] = kFar;
+        continue;
+      }
+      const int64_t j = t - 1 - local % 7;  // in t's block, since local % 128 >= 8
+      const uint16_t* kj = krow(j, kvh);
+      const double per_c = scale * (gputest::dot_bf16(kj, kj, s.D) - gputest::dot_bf16(kj, krow(t, kvh), s.D));
+      if (per_c < 1.0) continue;  // k_j too close to k_t: the token stays plain
+      for (int d = 0; d < s.D; ++d)
+        q[d] = msatest::float_to_bf16(static_cast<float>(16.3 / per_c * gputest::from_bf16(kj[d])));
+      kind[t] = kBand;
+    }
+  pr.dq.upload(pr.q);
+  const std::vector<int32_t> sel = selection_of(pr);
+
+  // Host: log2 of the largest block sum of the changed row over its selected blocks (visible keys).
+  int64_t n_band = 0, n_far = 0;
+  std::vector<bool> band(pr.T, false), far(pr.T, false);
+  for (int b = 0; b < pr.B; ++b)
+    for (int64_t t = pr.cu[b]; t < pr.cu[b + 1]; ++t) {
+      if (kind[t] == kPlain) continue;
+      const int h = static_cast<int>(t % s.H), kvh = h / per_kv, p = h / per_p;
+      const uint16_t* q = qrow(t, h);
+      const double diag = scale * gputest::dot_bf16(q, krow(t, kvh), s.D);
+      double worst = -INFINITY;
+      for (int e = 0; e < s.K; ++e) {
+        const int32_t blk = sel[(p * pr.T + t) * s.K + e];
+        if (blk < 0) continue;
+        const int64_t j0 = pr.cu[b] + static_cast<int64_t>(blk) * 128;
+        const int64_t j1 = std::min<int64_t>(j0 + 127, t);
+        std::vector<double> g;
+        for (int64_t j = j0; j <= j1; ++j) g.push_back(scale * gputest::dot_bf16(q, krow(j, kvh), s.D) - diag);
+        if (g.empty()) continue;
+        const double mx = *std::max_element(g.begin(), g.end());
+        double sum = 0;
+        for (double x : g) sum += std::exp(x - mx);
+        worst = std::max(worst, (mx + std::log(sum)) / std::log(2.0));
+      }
+      band[t] = kind[t] == kBand && worst > 21 && worst < 26;
+      far[t] = kind[t] == kFar && worst > 40;
+      n_band += band[t];
+      n_far += far[t];
+    }
+  std::printf("    tokens summing 2^21-2^26 over a block: %lld, past 2^40: %lld (of %lld)\n",
+              static_cast<long long>(n_band), static_cast<long long>(n_far), static_cast<long long>(pr.T));
+  ASSERT_GT(n_band, 100) << "the inputs do not put rows between the thresholds";
+  ASSERT_GT(n_far, 100) << "the inputs do not exercise the recompute";
+
+  const GpuForward det = run_gpu_on(pr, sel, /*with_kl=*/false, /*det=*/true);
+  GpuForward qm;
+  {
+    ScopedForwardPath unset(nullptr);
+    ScopedEnv query("FLASHMSA_DET_FWD", "query");
+    qm = run_gpu_on(pr, sel, /*with_kl=*/false, /*det=*/true);
+  }
+  if (::testing::Test::HasFatalFailure()) return;
+  CpuForward c;
+  if (!run_cpu_forward(pr, sel, c)) return;
+  EXPECT_LT(gputest::rel_l2(det.o, c.o), 1e-2) << "deterministic o vs CPU backend";
+  EXPECT_LT(gputest::max_abs_diff(det.lse, c.lse), 1e-3) << "deterministic lse vs CPU backend";
+  auto same_bits = [&](int64_t t) {  // all of token t's lse and o as the query-major run has them
+    for (int h = 0; h < s.H; ++h) {
+      if (det.lse[h * pr.T + t] != qm.lse[h * pr.T + t]) return false;
+      for (int d = 0; d < s.D; ++d)
+        if (det.o[(t * s.H + h) * s.D + d] != qm.o[(t * s.H + h) * s.D + d]) return false;
+    }
+    return true;
+  };
+  int64_t band_same = 0, far_same = 0;
+  for (int64_t t = 0; t < pr.T; ++t) {
+    if (band[t]) band_same += same_bits(t);
+    if (far[t]) far_same += same_bits(t);
+  }
+  std::printf("    with the query-major run's bits: far %lld of %lld, band %lld of %lld\n",
+              static_cast<long long>(far_same), static_cast<long long>(n_far), static_cast<long long>(band_same),
+              static_cast<long long>(n_band));
+  EXPECT_GE(far_same * 10, n_far * 9) << "recomputed tokens do not carry the query-major bits: the band check cannot tell";
+  EXPECT_LE(band_same * 4, n_band) << "tokens summing below 2^27 over every block were recomputed (flag threshold too low?)";
+}
+
 // Deterministic mode on the wgmma KV-major forward (two passes: int64 row sums, then int32 o of
 // the normalised probabilities; groups of 8 or 16 heads): against the CPU backend and the fast
 // (fp32) form, bitwise identical over reruns (also with small chunks and one or three streams,
