@@ -680,8 +680,8 @@ TEST(CudaForward, WgmmaKvOverflowRowsRecomputed) {
 // l <= K 2^27. Band tokens: one head's q set to c k_j for a key j earlier in the token's own block,
 // c chosen on the host so that score(j) - score(t) = 16.3 (natural units: the block sums to
 // ~2^23.5, between the old 2^20 and 2^27). Far tokens: that head's q times 64 (sums far past 2^27).
-// The recompute runs forward_unit, the kernel of a whole query-major run (FLASHMSA_DET_FWD=query),
-// so far tokens must carry that run's bits (the control that gives the next check its meaning) and
+// The recompute runs forward_unit<128, false> with the same arguments as a whole query-major run
+// (FLASHMSA_DET_FWD=query), so far tokens must carry that run's bits (the control that gives the next check its meaning) and
 // band tokens must not (they stay KV-major; under a 2^20 threshold all of them would be recomputed).
 // All within the tolerances of the CPU backend.
 TEST(CudaForward, WgmmaKvDeterministicFlagThreshold) {
@@ -753,7 +753,11 @@ TEST(CudaForward, WgmmaKvDeterministicFlagThreshold) {
   ASSERT_GT(n_band, 100) << "the inputs do not put rows between the thresholds";
   ASSERT_GT(n_far, 100) << "the inputs do not exercise the recompute";
 
-  const GpuForward det = run_gpu_on(pr, sel, /*with_kl=*/false, /*det=*/true);
+  GpuForward det;
+  {
+    ScopedEnv kv_major("FLASHMSA_DET_FWD", nullptr);  // an inherited =query would make the forced path throw
+    det = run_gpu_on(pr, sel, /*with_kl=*/false, /*det=*/true);
+  }
   GpuForward qm;
   {
     ScopedForwardPath unset(nullptr);
@@ -761,6 +765,8 @@ TEST(CudaForward, WgmmaKvDeterministicFlagThreshold) {
     qm = run_gpu_on(pr, sel, /*with_kl=*/false, /*det=*/true);
   }
   if (::testing::Test::HasFatalFailure()) return;
+  ASSERT_EQ(gputest::count_nonfinite(det.o), 0) << "o has unwritten or overflowed elements";
+  ASSERT_EQ(gputest::count_nonfinite(det.lse), 0) << "lse has unwritten or overflowed elements";
   CpuForward c;
   if (!run_cpu_forward(pr, sel, c)) return;
   EXPECT_LT(gputest::rel_l2(det.o, c.o), 1e-2) << "deterministic o vs CPU backend";
@@ -781,7 +787,7 @@ TEST(CudaForward, WgmmaKvDeterministicFlagThreshold) {
   std::printf("    with the query-major run's bits: far %lld of %lld, band %lld of %lld\n",
               static_cast<long long>(far_same), static_cast<long long>(n_far), static_cast<long long>(band_same),
               static_cast<long long>(n_band));
-  EXPECT_GE(far_same * 10, n_far * 9) << "recomputed tokens do not carry the query-major bits: the band check cannot tell";
+  EXPECT_EQ(far_same, n_far) << "recomputed tokens do not carry the query-major bits: the band check cannot tell";
   EXPECT_LE(band_same * 4, n_band) << "tokens summing below 2^27 over every block were recomputed (flag threshold too low?)";
 }
 
