@@ -374,7 +374,8 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
           set_smem(kernel, smem);
           bwd::FoldArgs fw = fa;
           if (alternate_waves(p)) fw.wave_ctas = resident_ctas(kernel, bwd::WgBwd::kThreads, smem);
-          fw.sweep_groups = shared_kv ? p.Hp : sweep_groups(p.Hp);
+          // The wave alternation counts waves along blockIdx.x: block-major order (one grid row) there.
+          fw.sweep_groups = shared_kv || fw.wave_ctas > 0 ? p.Hp : sweep_groups(p.Hp);
           const dim3 grid(static_cast<unsigned>(ix.NB) * fw.sweep_groups, p.Hp / fw.sweep_groups);
           kernel<<<grid, bwd::WgBwd::kThreads, smem, stream>>>(
               q, k, v, static_cast<const bf16*>(p.d_o), p.lse, di, ix, p.H, p.Hkv, p.Hp, p.scale,
