@@ -3,8 +3,9 @@
 # (the order test under memcheck too), then a rotated A/B against main's flashmsa_run and the
 # head-interleaved selector (exp/select-interleave) as a side variant.
 #   ab/run_main (main's flashmsa_run), ab/run_si (exp/select-interleave's) and scratch-gpu/ (this
-#   branch, scripts/build_gpu_bundle.sh). STAGES="tests", "ab" or "layout" (one call each: tests ~3
-#   minutes, the A/B ~8 at ROUNDS=2, layout ~6), ROUNDS (default 2), CONFIGS as in gpu_ab.sh.
+#   branch, scripts/build_gpu_bundle.sh). STAGES="tests", "ab", "layout" or "stalls" (one call each:
+#   tests ~3 minutes, the A/B ~8 at ROUNDS=2, layout ~6, stalls ~3), ROUNDS (default 2), CONFIGS as
+#   in gpu_ab.sh.
 # layout: is the 1-D form's +1.0-1.5 ms (perf-notes) the distance between the consumers' hot loop
 # and the producer's code (0xb6e0 bytes in main, 0x40 more in this branch and its 1-D form)? main
 # and this branch with 4 / 8 / 12 producer nanosleeps (scripts/build_layout_variant.sh N
@@ -37,4 +38,16 @@ if [[ " $STAGES " == *" layout "* ]]; then
   export CONFIGS=${CONFIGS:-"m3_64k:--seqlen 65536"}
   export VARIANTS=${VARIANTS:-"main=ab/run_main;main_p4=ab/run_main_p4;main_p8=ab/run_main_p8;main_p12=ab/run_main_p12;grid2d=$BIN/flashmsa_run;grid2d_p4=ab/run_grid2d_p4;main_f4=ab/run_main_f4"}
   OUT=$OUT bash scripts/gpu_ab.sh
+fi
+# stalls: ncu's stall reasons per issued instruction of one m3/64k backward launch, main against the
+# slow 1-D build (ab/run_bgm1d, exp/bwd-group-major 578138f) and main_p4: more "no_instruction"
+# stalls in the slow builds would put the cost on instruction fetch (code layout).
+if [[ " $STAGES " == *" stalls "* ]]; then
+  for b in ${STALL_BINS:-ab/run_main ab/run_bgm1d ab/run_main_p4}; do
+    timeout 150 ncu --clock-control none -k regex:attn_bwd_wgmma_kernel --launch-count 1 \
+      --metrics 'gpu__time_duration.sum,smsp__inst_executed.sum,smsp__average_warp_latency_per_inst_issued.ratio,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+      "$b" --device cuda --seqlen 65536 --iters 1 --check-tokens 0 --quiet > "$OUT/stalls_$(basename "$b").log" 2>&1
+    echo "== $b (exit $?)"
+    grep -E "gpu__time|inst_executed|latency_per_inst|stalled_(no_instruction|long_scoreboard|barrier|wait|math|mio|lg_throttle|membar|short_scoreboard|branch|dispatch|sleeping|selected|not_selected|tex|drain|imc|misc)" "$OUT/stalls_$(basename "$b").log" | sed -E 's/ +/ /g'
+  done
 fi
