@@ -3,9 +3,13 @@
 # (the order test under memcheck too), then a rotated A/B against main's flashmsa_run and the
 # head-interleaved selector (exp/select-interleave) as a side variant.
 #   ab/run_main (main's flashmsa_run), ab/run_si (exp/select-interleave's) and scratch-gpu/ (this
-#   branch, scripts/build_gpu_bundle.sh). STAGES="tests", "ab", "layout" or "stalls" (one call each:
-#   tests ~3 minutes, the A/B ~8 at ROUNDS=2, layout ~6, stalls ~3), ROUNDS (default 2), CONFIGS as
-#   in gpu_ab.sh.
+#   branch, scripts/build_gpu_bundle.sh). STAGES="tests", "ab", "layout", "stalls" or "lanes" (one
+#   call each: tests ~3 minutes, the A/B ~8 at ROUNDS=2, layout ~6, stalls ~3, lanes ~4), ROUNDS
+#   (default 2), CONFIGS as in gpu_ab.sh.
+# lanes (last, if time is left): the backward's student lse on a helper lane (branch
+# exp/bwd-student-lane, not merged here; ab/run_sl = main + that change, device code identical to
+# main's): main, sl, and sl with FLASHMSA_BWD_LANES=1 (should equal main). The mirror split (the
+# per-row terms on the helper) measured nothing before (perf-notes): the proxy lse fills the SMs.
 # layout: is the 1-D form's +1.0-1.5 ms (perf-notes) the distance between the consumers' hot loop
 # and the producer's code (0xb6e0 bytes in main, 0x40 more in this branch and its 1-D form)? main
 # and this branch with 4 / 8 / 12 producer nanosleeps (scripts/build_layout_variant.sh N
@@ -50,4 +54,10 @@ if [[ " $STAGES " == *" stalls "* ]]; then
     echo "== $b (exit $?)"
     grep -E "gpu__time|inst_executed|latency_per_inst|stalled_(no_instruction|long_scoreboard|barrier|wait|math|mio|lg_throttle|membar|short_scoreboard|branch|dispatch|sleeping|selected|not_selected|tex|drain|imc|misc)" "$OUT/stalls_$(basename "$b").log" | sed -E 's/ +/ /g'
   done
+fi
+if [[ " $STAGES " == *" lanes "* ]]; then
+  export ROUNDS=${ROUNDS:-2}
+  export CONFIGS=${CONFIGS:-"m3_64k:--seqlen 65536;m3_32k:--seqlen 32768;fm16k:--seqlen 16384 --heads 16 --kv-heads 2"}
+  export VARIANTS=${VARIANTS:-"main=ab/run_main;sl=ab/run_sl;sl_one_lane=ab/run_sl,FLASHMSA_BWD_LANES=1"}
+  OUT=$OUT bash scripts/gpu_ab.sh
 fi
