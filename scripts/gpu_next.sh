@@ -3,9 +3,13 @@
 # (the order test under memcheck too), then a rotated A/B against main's flashmsa_run and the
 # head-interleaved selector (exp/select-interleave) as a side variant.
 #   ab/run_main (main's flashmsa_run), ab/run_si (exp/select-interleave's) and scratch-gpu/ (this
-#   branch, scripts/build_gpu_bundle.sh). STAGES="tests", "ab", "layout", "stalls" or "lanes" (one
-#   call each: tests ~3 minutes, the A/B ~8 at ROUNDS=2, layout ~6, stalls ~3, lanes ~4), ROUNDS
-#   (default 2), CONFIGS as in gpu_ab.sh.
+#   branch, scripts/build_gpu_bundle.sh). STAGES="tests", "aux", "ab", "layout", "stalls" or
+#   "lanes" (one call each: tests ~3 minutes, aux ~4, the A/B ~8 at ROUNDS=2, layout ~6, stalls ~3,
+#   lanes ~4), ROUNDS (default 2), CONFIGS as in gpu_ab.sh.
+# aux: di_kernel and convert_acc_kernel vectorised (branch exp/bwd-aux-vector; ab/run_aux and its GPU
+# tests ab/tests_aux, every other kernel's SASS identical to main's): its backward / workspace /
+# graph tests, then main vs aux (predicted: m3/64k backward -0.5 to -0.7 ms: di 0.75 -> ~0.5, the
+# converts 1.31 -> ~0.85 ms).
 # lanes (last, if time is left): the backward's student lse on a helper lane (branch
 # exp/bwd-student-lane, not merged here; ab/run_sl = main + that change, device code identical to
 # main's): main, sl, and sl with FLASHMSA_BWD_LANES=1 (should equal main). The mirror split (the
@@ -59,5 +63,13 @@ if [[ " $STAGES " == *" lanes "* ]]; then
   export ROUNDS=${ROUNDS:-2}
   export CONFIGS=${CONFIGS:-"m3_64k:--seqlen 65536;m3_32k:--seqlen 32768;fm16k:--seqlen 16384 --heads 16 --kv-heads 2"}
   export VARIANTS=${VARIANTS:-"main=ab/run_main;sl=ab/run_sl;sl_one_lane=ab/run_sl,FLASHMSA_BWD_LANES=1"}
+  OUT=$OUT bash scripts/gpu_ab.sh
+fi
+if [[ " $STAGES " == *" aux "* ]]; then
+  timeout 150 ab/tests_aux --gtest_brief=1 --gtest_filter='CudaBackward.*:CudaWorkspace.*:CudaGraph.TrainingStep*' > "$OUT/tests_aux.log" 2>&1
+  echo "aux tests: exit $?"; tail -n 3 "$OUT/tests_aux.log"
+  export ROUNDS=${ROUNDS:-2}
+  export CONFIGS=${CONFIGS:-"m3_64k:--seqlen 65536;m3_32k:--seqlen 32768;fm16k:--seqlen 16384 --heads 16 --kv-heads 2;m3_8k:--seqlen 8192"}
+  export VARIANTS=${VARIANTS:-"main=ab/run_main;aux=ab/run_aux"}
   OUT=$OUT bash scripts/gpu_ab.sh
 fi
