@@ -604,6 +604,17 @@ TEST(CudaForward, WgmmaKvSmallGroups) {
   check_forward_case(shape(32, 4, 4, 1, 128, 16, {1500, 77}), 152);
 }
 
+// o and lse of g finite (nothing unwritten, nothing overflowed) and within msa.md's tolerances of
+// the CPU backend on the same selection.
+void expect_finite_and_close_to_cpu(Problem& pr, const std::vector<int32_t>& sel, const GpuForward& g) {
+  ASSERT_EQ(gputest::count_nonfinite(g.o), 0) << "o has unwritten or overflowed elements";
+  ASSERT_EQ(gputest::count_nonfinite(g.lse), 0) << "lse has unwritten or overflowed elements";
+  CpuForward c;
+  if (!run_cpu_forward(pr, sel, c)) return;
+  EXPECT_LT(gputest::rel_l2(g.o, c.o), 1e-2) << "o rel L2 vs CPU backend";
+  EXPECT_LT(gputest::max_abs_diff(g.lse, c.lse), 1e-3) << "lse max abs vs CPU backend";
+}
+
 // Rows whose best score exceeds the diagonal score by far more than the fixed reference allows
 // are recomputed by the query-major kernel; the others keep the KV-major result. In every other
 // 300-token stretch one head per token (head t % H: rows in both halves of a warpgroup's row
@@ -653,12 +664,8 @@ void check_overflow_recomputed(const Shape& sh, uint64_t seed, bool det = false)
   const std::vector<int32_t> sel = selection_of(pr);
   const GpuForward g = run_gpu_on(pr, sel, /*with_kl=*/false, det);
   if (::testing::Test::HasFatalFailure()) return;
-  ASSERT_EQ(gputest::count_nonfinite(g.o), 0) << "o has unwritten or overflowed elements";
-  ASSERT_EQ(gputest::count_nonfinite(g.lse), 0) << "lse has unwritten or overflowed elements";
-  CpuForward c;
-  if (!run_cpu_forward(pr, sel, c)) return;
-  EXPECT_LT(gputest::rel_l2(g.o, c.o), 1e-2) << "o rel L2 vs CPU backend";
-  EXPECT_LT(gputest::max_abs_diff(g.lse, c.lse), 1e-3) << "lse max abs vs CPU backend";
+  expect_finite_and_close_to_cpu(pr, sel, g);
+  if (::testing::Test::HasFatalFailure()) return;
   if (det) {
     const GpuForward again = run_gpu_on(pr, sel, /*with_kl=*/false, det);
     EXPECT_EQ(again.o, g.o) << "deterministic o differs bitwise on a rerun";
@@ -765,12 +772,8 @@ TEST(CudaForward, WgmmaKvDeterministicFlagThreshold) {
     qm = run_gpu_on(pr, sel, /*with_kl=*/false, /*det=*/true);
   }
   if (::testing::Test::HasFatalFailure()) return;
-  ASSERT_EQ(gputest::count_nonfinite(det.o), 0) << "o has unwritten or overflowed elements";
-  ASSERT_EQ(gputest::count_nonfinite(det.lse), 0) << "lse has unwritten or overflowed elements";
-  CpuForward c;
-  if (!run_cpu_forward(pr, sel, c)) return;
-  EXPECT_LT(gputest::rel_l2(det.o, c.o), 1e-2) << "deterministic o vs CPU backend";
-  EXPECT_LT(gputest::max_abs_diff(det.lse, c.lse), 1e-3) << "deterministic lse vs CPU backend";
+  expect_finite_and_close_to_cpu(pr, sel, det);
+  if (::testing::Test::HasFatalFailure()) return;
   auto same_bits = [&](int64_t t) {  // all of token t's lse and o as the query-major run has them
     for (int h = 0; h < s.H; ++h) {
       if (det.lse[h * pr.T + t] != qm.lse[h * pr.T + t]) return false;
