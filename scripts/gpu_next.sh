@@ -4,13 +4,13 @@
 # head-interleaved selector (exp/select-interleave) as a side variant.
 #   ab/run_main (main's flashmsa_run), ab/run_si (exp/select-interleave's) and scratch-gpu/ (this
 #   branch, scripts/build_gpu_bundle.sh). STAGES="tests", "aux", "ab", "layout", "stalls" or
-#   "lanes" (one call each: tests ~3 minutes, aux ~5, the A/B ~8 at ROUNDS=2, layout ~6, stalls ~3,
-#   lanes ~4), ROUNDS (default 2), CONFIGS as in gpu_ab.sh.
+#   "lanes" (one call each: tests ~4 minutes, aux ~5, the A/B ~8 at ROUNDS=2, layout ~6, stalls ~3,
+#   lanes ~4; in that order of priority but ab last), ROUNDS (default 2), CONFIGS as in gpu_ab.sh.
 # aux: branch exp/bwd-aux = exp/bwd-aux-vector (di_kernel and convert_acc_kernel vectorised) +
 # exp/proxy-lse-wgmma (the student lse's partials on warpgroup MMA; FLASHMSA_PROXY_LSE=mma: the
 # mma.sync form); ab/run_aux and its GPU tests ab/tests_aux, every other kernel's SASS identical to
-# main's. Its backward / workspace / graph tests, then main, aux and aux_mma (= the vectorised
-# kernels alone). Predicted at m3/64k: aux_mma -0.5 to -0.7 ms on the backward (di 0.75 -> ~0.5,
+# main's (its backward / workspace / graph tests run in the tests stage): main, aux and aux_mma (=
+# the vectorised kernels alone). Predicted at m3/64k: aux_mma -0.5 to -0.7 ms on the backward (di 0.75 -> ~0.5,
 # the converts 1.31 -> ~0.85), aux another -0.5 to -0.9 (the student lse 1.24 -> ~0.4-0.7).
 # lanes (last, if time is left): the backward's student lse on a helper lane (branch
 # exp/bwd-student-lane, not merged here; ab/run_sl = main + that change, device code identical to
@@ -36,6 +36,10 @@ if [[ " $STAGES " == *" tests "* ]]; then
   timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/flashmsa_gpu_tests" --gtest_brief=1 \
     --gtest_filter='CudaBackward.TokenRowsGroupOf16FourGroups' > "$OUT/memcheck.log" 2>&1
   echo "memcheck: exit $?"; tail -n 3 "$OUT/memcheck.log"
+  if [ -x ab/tests_aux ]; then  # exp/bwd-aux's own tests (its kernels and the workspace rule)
+    timeout 150 ab/tests_aux --gtest_brief=1 --gtest_filter='CudaBackward.*:CudaWorkspace.*:CudaGraph.TrainingStep*' > "$OUT/tests_aux.log" 2>&1
+    echo "aux tests: exit $?"; tail -n 3 "$OUT/tests_aux.log"
+  fi
 fi
 if [[ " $STAGES " == *" ab "* ]]; then
   export ROUNDS=${ROUNDS:-2}
@@ -68,8 +72,6 @@ if [[ " $STAGES " == *" lanes "* ]]; then
   OUT=$OUT bash scripts/gpu_ab.sh
 fi
 if [[ " $STAGES " == *" aux "* ]]; then
-  timeout 150 ab/tests_aux --gtest_brief=1 --gtest_filter='CudaBackward.*:CudaWorkspace.*:CudaGraph.TrainingStep*' > "$OUT/tests_aux.log" 2>&1
-  echo "aux tests: exit $?"; tail -n 3 "$OUT/tests_aux.log"
   export ROUNDS=${ROUNDS:-2}
   export CONFIGS=${CONFIGS:-"m3_64k:--seqlen 65536;m3_32k:--seqlen 32768;fm16k:--seqlen 16384 --heads 16 --kv-heads 2;m3_8k:--seqlen 8192"}
   export VARIANTS=${VARIANTS:-"main=ab/run_main;aux=ab/run_aux;aux_mma=ab/run_aux,FLASHMSA_PROXY_LSE=mma"}
