@@ -688,9 +688,9 @@ TEST(CudaForward, WgmmaKvOverflowRowsRecomputed) {
 // c chosen on the host so that score(j) - score(t) = 16.3 (natural units: the block sums to
 // ~2^23.5, between the old 2^20 and 2^27). Far tokens: that head's q times 64 (sums far past 2^27).
 // The recompute runs forward_unit<128, false> with the same arguments as a whole query-major run
-// (FLASHMSA_DET_FWD=query), so far tokens must carry that run's bits (the control that gives the next check its meaning) and
-// band tokens must not (they stay KV-major; under a 2^20 threshold all of them would be recomputed).
-// All within the tolerances of the CPU backend.
+// (FLASHMSA_DET_FWD=query), so far tokens must carry that run's bits (the control that gives the
+// next check its meaning) and band tokens must not (they stay KV-major; under a 2^20 threshold all
+// of them would be recomputed). All within the tolerances of the CPU backend.
 TEST(CudaForward, WgmmaKvDeterministicFlagThreshold) {
   GPUTEST_REQUIRE_DEVICE();
   ScopedForwardPath path("wgmma");
