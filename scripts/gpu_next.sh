@@ -2,8 +2,8 @@
 # The next device calls for this branch (FLASHMSA_BWD_ORDER sweeps on a 2-D grid): its GPU tests
 # (the order test under memcheck too), then a rotated A/B against main's flashmsa_run and the
 # head-interleaved selector (exp/select-interleave) as a side variant.
-#   (carry ["scratch-gpu", "ab"]: both are git-ignored) ab/run_main (main's flashmsa_run), ab/run_si (exp/select-interleave's) and scratch-gpu/ (this
-#   branch, scripts/build_gpu_bundle.sh). STAGES="tests", "aux", "ab", "layout", "stalls" or
+#   ab/run_main (main's flashmsa_run), ab/run_si (exp/select-interleave's) and scratch-gpu/ (this
+#   branch, scripts/build_gpu_bundle.sh), both git-ignored: run with carry ["scratch-gpu", "ab"]. STAGES="tests", "aux", "ab", "layout", "stalls" or
 #   "lanes" (one call each: tests ~4 minutes, aux ~5, the A/B ~8 at ROUNDS=2, layout ~6, stalls ~3,
 #   lanes ~4; in that order of priority but ab last), ROUNDS (default 2), CONFIGS as in gpu_ab.sh.
 # aux: branch exp/bwd-aux = exp/bwd-aux-vector (di_kernel and convert_acc_kernel vectorised) +
