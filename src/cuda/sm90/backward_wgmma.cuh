@@ -102,9 +102,10 @@ using WgKl = WgLayout<true>;
 static_assert(WgBwd::kSmem <= 227 * 1024, "the wgmma backward must fit in one SM's shared memory");
 static_assert(WgKl::kSmem <= 227 * 1024, "the KL-only kernel must fit in one SM's shared memory");
 // The producer forms a row's swizzled 16-byte slots with an XOR (qs_sw ^ (c << 4)): every token
-// row starts 128-byte aligned.
+// row starts 128-byte aligned, given the kernel's 1024-aligned base (wb_smem_raw rounded up).
 static_assert(WgBwd::oQ % 128 == 0 && WgBwd::odO % 128 == 0 && WgBwd::kTokTile % 128 == 0 &&
-                  WgBwd::kTokSlab % 128 == 0 && WgKl::oQ % 128 == 0,
+                  WgBwd::kTokSlab % 128 == 0 && WgKl::oQ % 128 == 0 && WgKl::kTokTile % 128 == 0 &&
+                  WgKl::kTokSlab % 128 == 0,
               "token tiles must be 128-byte aligned");
 
 // Named barriers of the two consumer warpgroups (0 is __syncthreads; the producer never joins).
@@ -422,7 +423,9 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     };
     int t_next = RM > 0 ? token_of_step(0, i0) : -1;
     // Token rows: the next step's source offset is formed from its token before the wait for the
-    // stage, so that only the copies follow the wait (the consumers wait on this chain).
+    // stage, so that little more than the copies follow the wait (the consumers wait on this
+    // chain; ptxas still scales it and forms the pointers and slots after the wait, ~10
+    // instructions).
     const int h_row = p * m + row % kR;  // RM > 0: this row's head at every head step
     auto source_offset = [&](int t_, int hi_) {
       const int64_t tt_ = t_ >= 0 ? t_ : 0;
