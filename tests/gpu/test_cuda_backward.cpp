@@ -587,6 +587,31 @@ void check_token_rows(const Shape& s, uint64_t seed) {
     gputest::ScopedEnv env("FLASHMSA_BWD_ROWS", "0");
     per_head = run_gpu(d, st, false);
   }
+  // FLASHMSA_BWD_ORDER=group (one proxy group's CTAs after the other's), =block (block-major) and
+  // =2 (two groups at a time, the default where Hp is even, named for Hp = 4): the same CTAs in
+  // other orders, close to the default order (the fp32 adds run in another order), and bitwise
+  // equal to it in deterministic mode (owned dk / dv, integer dq sums, the KL share in per-(group,
+  // block) slots). FLASHMSA_BWD_WAVES=0: every list walked the same
+  // way in every order (a per-wave walk direction would follow the CTA index and reorder the fp32
+  // register sums of dK and dV).
+  std::vector<const char*> orders = {"group", "block"};
+  if (s.Hp % 2 == 0 && s.Hp > 2) orders.push_back("2");
+  std::vector<Grads> det_other_orders;
+  for (const char* order : orders) {
+    gputest::ScopedEnv waves_env("FLASHMSA_BWD_WAVES", "0");
+    gputest::ScopedEnv order_env("FLASHMSA_BWD_ORDER", order);
+    const std::string what = std::string("FLASHMSA_BWD_ORDER=") + order;
+    {
+      gputest::ScopedEnv rows_env("FLASHMSA_BWD_ROWS", "0");
+      compare(run_gpu(d, st, false), cpu, "per-head tiles, " + what);
+    }
+    gputest::ScopedEnv rows_env("FLASHMSA_BWD_ROWS", "1");
+    const Grads other = run_gpu(d, st, false);
+    compare(other, cpu, "token rows, " + what);
+    expect_close(other, rows, what + " vs the default order");
+    gputest::ScopedEnv dq_env("FLASHMSA_DET_DQ", "kv");
+    det_other_orders.push_back(run_gpu(d, st, true));
+  }
   compare(rows, cpu, "token rows");
   compare(per_head, cpu, "per-head tiles");
   expect_close(rows, per_head, "token rows vs per-head tiles");
@@ -596,11 +621,18 @@ void check_token_rows(const Shape& s, uint64_t seed) {
   // the per-head DET form (FLASHMSA_DET_DQ=query).
   Grads det, det_query;
   {
+    gputest::ScopedEnv waves_env("FLASHMSA_BWD_WAVES", "0");
     gputest::ScopedEnv rows_env("FLASHMSA_BWD_ROWS", "1");
     gputest::ScopedEnv dq_env("FLASHMSA_DET_DQ", "kv");  // an error unless the int32 dq form runs
     det = run_gpu(d, st, true);
     compare(det, cpu, "det token rows");
     expect_bitwise_reruns(d, st, det, 3, "det token rows");
+  }
+  for (size_t i = 0; i < orders.size(); ++i) {
+    EXPECT_TRUE(det_other_orders[i].raw == det.raw) << "deterministic mode: FLASHMSA_BWD_ORDER=" << orders[i]
+                                                    << " changed the bits";
+    EXPECT_EQ(float_bits(det_other_orders[i].kl), float_bits(det.kl))
+        << "deterministic mode: FLASHMSA_BWD_ORDER=" << orders[i] << " changed kl";
   }
   {
     gputest::ScopedEnv dq_env("FLASHMSA_DET_DQ", "query");
@@ -616,6 +648,13 @@ TEST(CudaBackward, TokenRowsGroupOf8) {
   GPUTEST_REQUIRE_DEVICE();
   // gqa8 ratios: 8 tokens x 8 heads per tile; a partial last block and a short second sequence.
   check_token_rows(shape(16, 2, 2, 1, 128, 16, {2200, 333}), 50);
+}
+
+TEST(CudaBackward, TokenRowsGroupOf16FourGroups) {
+  GPUTEST_REQUIRE_DEVICE();
+  // The m3 shape (groups of 16 heads, one per kv head, four proxy groups), so that the grid orders
+  // (block-major, FLASHMSA_BWD_ORDER=group and =2, the default) all differ.
+  check_token_rows(shape(64, 4, 4, 1, 128, 16, {2200, 333}), 52);
 }
 
 TEST(CudaBackward, TokenRowsGroupOf16ManyShortSequences) {

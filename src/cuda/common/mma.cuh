@@ -60,6 +60,27 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
                "r"(src_bytes));
 }
 
+// One 128-byte row slab in eight 16-byte copies: chunk c of src to the swizzled slot dst_sw ^ (c << 4)
+// (dst_sw: a 128-byte aligned row address plus its swizzle, (row & 7) << 4). One asm block so that
+// the sources stay one register pair with immediate offsets (the compiler otherwise rebuilt each
+// 64-bit address, ~3 instructions per copy). valid = false zero-fills the slab.
+__device__ __forceinline__ void cp_async_row_swizzled(uint32_t dst_sw, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile(
+      "{\n"
+      ".reg .b32 d;\n"
+      "cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+      "xor.b32 d, %0, 16;\n  cp.async.cg.shared.global [d], [%1+16], 16, %2;\n"
+      "xor.b32 d, %0, 32;\n  cp.async.cg.shared.global [d], [%1+32], 16, %2;\n"
+      "xor.b32 d, %0, 48;\n  cp.async.cg.shared.global [d], [%1+48], 16, %2;\n"
+      "xor.b32 d, %0, 64;\n  cp.async.cg.shared.global [d], [%1+64], 16, %2;\n"
+      "xor.b32 d, %0, 80;\n  cp.async.cg.shared.global [d], [%1+80], 16, %2;\n"
+      "xor.b32 d, %0, 96;\n  cp.async.cg.shared.global [d], [%1+96], 16, %2;\n"
+      "xor.b32 d, %0, 112;\n cp.async.cg.shared.global [d], [%1+112], 16, %2;\n"
+      "}\n" ::"r"(dst_sw),
+      "l"(src), "r"(src_bytes));
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 template <int N>

@@ -384,6 +384,11 @@ struct FoldArgs {
   // > 0 (dense warm-up): CTAs per wave (one per SM); the wgmma kernel's odd waves walk their lists
   // ascending, the even ones descending (see attn_bwd_wgmma_kernel).
   int wave_ctas = 0;
+  // The G = 1 wgmma kernel's CTA order: the key blocks swept sweep_groups proxy groups at a time
+  // (Hp: block-major; 1: one group's blocks after the other's; grid (NB sweep_groups, Hp /
+  // sweep_groups); FLASHMSA_BWD_ORDER, see fused_backward.cu). A divisor of Hp, set by the host
+  // for every G = 1 launch (the SHARED_KV and KL_ONLY forms are always block-major).
+  int sweep_groups = 0;
 };
 
 // DQ = false: no dq here (the deterministic mode's query-major dq, backward_dq.cu). A template

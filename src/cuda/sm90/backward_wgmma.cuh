@@ -101,6 +101,12 @@ using WgBwd = WgLayout<false>;
 using WgKl = WgLayout<true>;
 static_assert(WgBwd::kSmem <= 227 * 1024, "the wgmma backward must fit in one SM's shared memory");
 static_assert(WgKl::kSmem <= 227 * 1024, "the KL-only kernel must fit in one SM's shared memory");
+// The producer forms a row's swizzled 16-byte slots with an XOR (qs_sw ^ (c << 4)): every token
+// row starts 128-byte aligned, given the kernel's 1024-aligned base (wb_smem_raw rounded up).
+static_assert(WgBwd::oQ % 128 == 0 && WgBwd::odO % 128 == 0 && WgBwd::kTokTile % 128 == 0 &&
+                  WgBwd::kTokSlab % 128 == 0 && WgKl::oQ % 128 == 0 && WgKl::kTokTile % 128 == 0 &&
+                  WgKl::kTokSlab % 128 == 0,
+              "token tiles must be 128-byte aligned");
 
 // Named barriers of the two consumer warpgroups (0 is __syncthreads; the producer never joins).
 constexpr int kBarDsFree = 1;   // both WGs finished the MMA that read the previous dS tile
@@ -333,7 +339,16 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
 
   // Same grid order as attn_bwd_kernel: proxy group fastest (here one segment = one group), so
   // the G groups of one kv head and key block (SHARED_KV) are neighbours in the grid.
-  const int g = blockIdx.x / Hp, p = blockIdx.x % Hp;
+  // The G = 1 forms sweep the key blocks S = fa.sweep_groups proxy groups at a time (FoldArgs):
+  // blockIdx.x = g S + p % S, blockIdx.y = p / S; S = Hp (one row) is block-major, the only order
+  // of the SHARED_KV and KL_ONLY forms. One division, by S as before by Hp: the 1-D form
+  // (g = x / S % NB, a second division) ran m3/64k 1.0-1.5 ms slower in block-major order, with
+  // the consumers' loop unchanged and the hot loop's offset ruled out (perf-notes); whether this
+  // form escapes that is not measured yet. The waves of fa.wave_ctas count along x: the host keeps
+  // block-major order (one row) when it sets them.
+  constexpr bool kSweep = !SHARED_KV && !KL_ONLY;
+  const int S = kSweep ? fa.sweep_groups : Hp;
+  const int g = blockIdx.x / S, p = (kSweep ? static_cast<int>(blockIdx.y) * S : 0) + blockIdx.x % S;
   const int m = H / Hp;
   if (RM > 0 && m != RM) __trap();  // token rows assume groups of exactly RM heads (host-checked)
   // Group p's heads p*m.. lie in kv head p*m / (H/Hkv) = p / G. The G = 1 backward keeps the
@@ -407,6 +422,16 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       return li < bc.end ? list_token(li) : -1;
     };
     int t_next = RM > 0 ? token_of_step(0, i0) : -1;
+    // Token rows: the next step's source offset is formed from its token before the wait for the
+    // stage, so that little more than the copies follow the wait (the consumers wait on this
+    // chain; ptxas still scales it and forms the pointers and slots after the wait, ~10
+    // instructions).
+    const int h_row = p * m + row % kR;  // RM > 0: this row's head at every head step
+    auto source_offset = [&](int t_, int hi_) {
+      const int64_t tt_ = t_ >= 0 ? t_ : 0;
+      return (hi_ < m ? tt_ * H + h_row : tt_ * Hp + p) * D + 64 * half;
+    };
+    int64_t at_next = RM > 0 ? source_offset(t_next, 0) : 0;
     for (int s = 0; s < steps; ++s) {
       const int st = s & (L::kStages - 1);
       if (s >= L::kStages) mbarrier_wait(empty + st, ((s >> L::kStageLog) - 1) & 1);
@@ -420,24 +445,23 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       const int64_t tt = ok ? t : 0;
       TokMeta& tm = meta[st];
       const uint32_t qs = q_dst + st * L::kTokTile;
+      // qs is 128-byte aligned (the stages and slabs are multiples of 128 from the 1024-aligned
+      // base), so chunk c's swizzled slot qs + ((c ^ sw) << 4) is qs_sw ^ (c << 4), and dO's row
+      // lies a multiple of 128 bytes away (the same XOR holds there).
+      const uint32_t qs_sw = qs + (sw << 4);
       if (hi < m) {
         const int h = p * m + (RM > 0 ? row % kR : hi);
-        const uint32_t os = o_dst + st * L::kTokTile;
-        const int64_t at = (tt * H + h) * D + 64 * half;
-#pragma unroll
-        for (int c = 0; c < 8; ++c) {
-          cp_async_16(qs + ((c ^ sw) << 4), q + at + 8 * c, ok);
-          if constexpr (!KL_ONLY) cp_async_16(os + ((c ^ sw) << 4), d_o + at + 8 * c, ok);
-        }
+        const int64_t at = RM > 0 ? at_next : (tt * H + h) * D + 64 * half;
+        cp_async_row_swizzled(qs_sw, q + at, ok);
+        if constexpr (!KL_ONLY) cp_async_row_swizzled(qs_sw + (o_dst - q_dst), d_o + at, ok);
         if (half == 0) cp_async_4(smem_u32(&tm.lse[row]), lse + static_cast<int64_t>(h) * ix.T + tt, ok);
         else if constexpr (!KL_ONLY) cp_async_4(smem_u32(&tm.aux[row]), di + tt * H + h, ok);
         if constexpr (DET && RM > 0) {
           if (half == 1) cp_async_4(smem_u32(row_fx_s + st * kTileTok + row), fa.row_fx + tt * H + h, ok);
         }
       } else {
-        const int64_t at = (tt * Hp + p) * D + 64 * half;
-#pragma unroll
-        for (int c = 0; c < 8; ++c) cp_async_16(qs + ((c ^ sw) << 4), fa.qp + at + 8 * c, ok);
+        const int64_t at = RM > 0 ? at_next : (tt * Hp + p) * D + 64 * half;
+        cp_async_row_swizzled(qs_sw, fa.qp + at, ok);
         if (half == 0) cp_async_4(smem_u32(&tm.lse[row]), fa.lse_s + static_cast<int64_t>(p) * ix.T + tt, ok);
       }
       if (half == 0) {
@@ -450,7 +474,10 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
         hi = 0;
         i0 += kTileTok;
       }
-      if constexpr (RM > 0) t_next = s + 1 < steps ? token_of_step(hi, i0) : -1;
+      if constexpr (RM > 0) {
+        t_next = s + 1 < steps ? token_of_step(hi, i0) : -1;
+        at_next = source_offset(t_next, hi);
+      }
     }
     // The copies arrive on full / kv_full, which the consumers wait for before the CTA can exit,
     // so nothing depends on this wait; by the PTX rules it waits for no copy (the producer commits

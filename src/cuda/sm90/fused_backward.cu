@@ -244,6 +244,22 @@ bool env_is(const char* name, const char* value) {
   return v != nullptr && std::strcmp(v, value) == 0;
 }
 
+// FLASHMSA_BWD_ORDER: how many proxy groups the wgmma backward's CTAs sweep the key blocks with at a
+// time (FoldArgs::sweep_groups) where each kv head holds one group (G = 1): "block" Hp (block-major,
+// proxy group fastest, the order the SHARED_KV form needs: a key block's G groups share its K / V in
+// L2), "group" one, a number n dividing Hp n; unset (or anything else): two where Hp is even (m3/64k
+// backward 40.0 vs 40.5 ms block-major, 32k 19.2 vs 19.6; perf-notes), else Hp. Read per call.
+int sweep_groups(int Hp) {
+  const int fallback = Hp % 2 == 0 ? 2 : Hp;
+  const char* v = std::getenv("FLASHMSA_BWD_ORDER");
+  if (v == nullptr) return fallback;
+  if (std::strcmp(v, "block") == 0) return Hp;
+  if (std::strcmp(v, "group") == 0) return 1;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  return *v != '\0' && *end == '\0' && n >= 1 && n <= Hp && Hp % n == 0 ? static_cast<int>(n) : fallback;
+}
+
 // Whether the wgmma backward alternates its list walk per wave (FoldArgs::wave_ctas): the dense
 // warm-up always (its lists all end at the sequence end); FLASHMSA_BWD_WAVES=1 also for sparse
 // lists (A/B timing), =0 never; read per call.
@@ -401,7 +417,10 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
           set_smem(kernel, smem);
           bwd::FoldArgs fw = fa;
           if (alternate_waves(p)) fw.wave_ctas = resident_ctas(kernel, bwd::WgBwd::kThreads, smem);
-          kernel<<<static_cast<unsigned>(ix.NB) * p.Hp, bwd::WgBwd::kThreads, smem, stream>>>(
+          // The wave alternation counts waves along blockIdx.x: block-major order (one grid row) there.
+          fw.sweep_groups = shared_kv || fw.wave_ctas > 0 ? p.Hp : sweep_groups(p.Hp);
+          const dim3 grid(static_cast<unsigned>(ix.NB) * fw.sweep_groups, p.Hp / fw.sweep_groups);
+          kernel<<<grid, bwd::WgBwd::kThreads, smem, stream>>>(
               q, k, v, static_cast<const bf16*>(p.d_o), p.lse, di, ix, p.H, p.Hkv, p.Hp, p.scale,
               static_cast<float*>(dq_acc), static_cast<bf16*>(p.dk), static_cast<bf16*>(p.dv), fw, fx, dk_acc,
               dv_acc);
