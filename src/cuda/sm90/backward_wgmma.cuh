@@ -341,11 +341,10 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   // the G groups of one kv head and key block (SHARED_KV) are neighbours in the grid.
   // The G = 1 forms sweep the key blocks S = fa.sweep_groups proxy groups at a time (FoldArgs):
   // blockIdx.x = g S + p % S, blockIdx.y = p / S; S = Hp (one row) is block-major, the only order
-  // of the SHARED_KV and KL_ONLY forms. One division, by S as before by Hp: the 1-D form
-  // (g = x / S % NB, a second division) ran m3/64k 1.0-1.5 ms slower in block-major order, with
-  // the consumers' loop unchanged and the hot loop's offset ruled out (perf-notes); whether this
-  // form escapes that is not measured yet. The waves of fa.wave_ctas count along x: the host keeps
-  // block-major order (one row) when it sets them.
+  // of the SHARED_KV and KL_ONLY forms. One division, by S as before by Hp. (The sweep builds'
+  // 1.0-1.5 ms loss in block-major order came from the producer's chain, not from this mapping: on
+  // the lean producer this form in block-major order runs as fast as without it; perf-notes.) The
+  // waves of fa.wave_ctas count along x: the host keeps block-major order (one row) when it sets them.
   constexpr bool kSweep = !SHARED_KV && !KL_ONLY;
   const int S = kSweep ? fa.sweep_groups : Hp;
   const int g = blockIdx.x / S, p = (kSweep ? static_cast<int>(blockIdx.y) * S : 0) + blockIdx.x % S;
