@@ -58,7 +58,9 @@ void usage() {
       "  --block BLK (128) --topk K (16) --local-blocks L (1) --kl-coeff C (1.0)\n"
       "  --mode sparse|warmup (sparse) --dtype bf16|fp16|fp32 (bf16) --deterministic\n"
       "  --forward-kl       the forward also produces the KL value (as the PyTorch op does)\n"
-      "  --graph            also time the whole step captured once in a CUDA graph and replayed\n"
+      "  --graph            also time the whole step captured once in a CUDA graph and replayed, and\n"
+      "                     the step (and selection + forward) launched on one stream without\n"
+      "                     synchronising between phases\n"
       "Run:\n"
       "  --device auto|cpu|cuda (auto: cuda when an sm_90 GPU is present)\n"
       "  --iters N          timed repetitions (default 1 on CPU, 10 on CUDA; median reported)\n"
@@ -510,29 +512,51 @@ int main(int argc, char** argv) {
     die(e.what());
   }
   // The step as a training loop without per-phase synchronisation runs it, captured once.
-  std::vector<double> t_graph;
+  std::vector<double> t_graph, t_stream, t_sel_fwd;
 #ifdef FLASHMSA_WITH_CUDA
   if (cuda && c.graph) {
     cudaStream_t gs = nullptr;
     cuda_ok(cudaStreamCreateWithFlags(&gs, cudaStreamNonBlocking), "stream");
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    cuda_ok(cudaStreamBeginCapture(gs, cudaStreamCaptureModeGlobal), "begin capture");
-    try {
+    auto launch_step = [&](bool with_backward) {
       if (sparse) select_blocks(in, opt, bidx.view(), gs);
       const TensorView kl_fwd = c.forward_kl ? bkl.view() : TensorView();
       if (sparse) sparse_attention_forward(in, bidx.view(), opt, bo.view(), blse.view(), kl_fwd, gs);
       else dense_warmup_forward(in, opt, bo.view(), blse.view(), kl_fwd, gs);
-      msa_backward(in, bidx.view(), bo.view(), blse.view(), bdo.view(), TensorView(), opt, g, bkl.view(), gs);
+      if (with_backward)
+        msa_backward(in, bidx.view(), bo.view(), blse.view(), bdo.view(), TensorView(), opt, g, bkl.view(), gs);
+    };
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    cuda_ok(cudaStreamBeginCapture(gs, cudaStreamCaptureModeGlobal), "begin capture");
+    try {
+      launch_step(true);
     } catch (const Error& e) {
       cudaStreamEndCapture(gs, &graph);
       die(e.what());
     }
     cuda_ok(cudaStreamEndCapture(gs, &graph), "end capture");
     cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "graph instantiate");
+    // The replay, and beside it (alternating) the same step launched eagerly on the same stream
+    // with no synchronisation between its phases (what the replay alone changes), and selection +
+    // forward so launched. The phases timed one by one above leave the GPU idle between them;
+    // under the card's power cap that idle time lets the next phase start at a higher clock.
+    auto eager = [&](bool with_backward) {
+      return time_ms(cuda, [&] {
+        try {
+          launch_step(with_backward);
+        } catch (const Error& e) {
+          die(e.what());
+        }
+      }, gs);
+    };
     for (int it = 0; it < 2 + c.iters; ++it) {
       const double ms = time_ms(cuda, [&] { cuda_ok(cudaGraphLaunch(exec, gs), "graph launch"); }, gs);
-      if (it >= 2) t_graph.push_back(ms);
+      const double ms_stream = eager(true), ms_sel_fwd = eager(false);
+      if (it >= 2) {
+        t_graph.push_back(ms);
+        t_stream.push_back(ms_stream);
+        t_sel_fwd.push_back(ms_sel_fwd);
+      }
     }
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
@@ -682,9 +706,14 @@ int main(int argc, char** argv) {
   std::printf("%-22s %10.3f %12.3f\n", "backward (+KL)", ms_bwd, tflops(fl_bwd, ms_bwd));
   std::printf("%-22s %10.3f %12.3f\n", "training step", ms_sel + ms_fwd + ms_bwd,
               tflops(fl_sel + fl_fwd + fl_bwd, ms_sel + ms_fwd + ms_bwd));
-  if (!t_graph.empty())
+  if (!t_graph.empty()) {
     std::printf("%-22s %10.3f %12.3f\n", "step (CUDA graph)", median(t_graph),
                 tflops(fl_sel + fl_fwd + fl_bwd, median(t_graph)));
+    std::printf("%-22s %10.3f %12.3f\n", "step (one stream)", median(t_stream),
+                tflops(fl_sel + fl_fwd + fl_bwd, median(t_stream)));
+    std::printf("%-22s %10.3f %12.3f\n", sparse ? "select+fwd (1 stream)" : "fwd (one stream)", median(t_sel_fwd),
+                tflops(fl_sel + fl_fwd, median(t_sel_fwd)));
+  }
   std::printf("kl_loss = %.6g\n", kl);
   if (sparse && picks > 0)
     std::printf("selection: %.1f keys/query/head (sel), %.2f blocks/row, %.1f%% rows padded, "
@@ -709,6 +738,8 @@ int main(int argc, char** argv) {
        << ", \"mode\": \"" << c.mode << "\", \"dtype\": \"" << c.dtype << "\""
        << ", \"forward_kl\": " << (c.forward_kl ? "true" : "false") << ", \"iters\": " << c.iters << ", \"ms_select\": " << ms_sel << ", \"ms_forward\": " << ms_fwd
        << ", \"ms_backward\": " << ms_bwd << ", \"ms_step_graph\": " << (t_graph.empty() ? 0.0 : median(t_graph))
+       << ", \"ms_step_stream\": " << (t_stream.empty() ? 0.0 : median(t_stream))
+       << ", \"ms_select_forward_stream\": " << (t_sel_fwd.empty() ? 0.0 : median(t_sel_fwd))
        << ", \"flop_select\": " << fl_sel
        << ", \"flop_forward\": " << fl_fwd << ", \"flop_backward\": " << fl_bwd
        << ", \"sel_per_head\": " << sel_per_head << ", \"kl_loss\": " << kl
