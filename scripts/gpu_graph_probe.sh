@@ -2,8 +2,7 @@
 # One call on the H200: why a CUDA-graph replay of the step can run slower than the eager phases.
 # BIN_RUN: a flashmsa_run whose --graph also times the step launched on one stream (no
 # synchronisation between phases) alternating with the replay. Per run: SM clock, power and the
-# clock-event reasons sampled every 20 ms by nvidia-smi; then, if nsys is present, every kernel's
-# duration inside and outside the graph (scripts/graph_kernel_split.py). Logs to $OUT.
+# clock-event reasons sampled every 20 ms by nvidia-smi (the H200 there has no nsys). Logs to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/flashmsa-graph}
@@ -35,12 +34,3 @@ for part, rr in (("first third", busy[:third]), ("middle", busy[third:2 * third]
           f"power median {pw[len(pw)//2]:.0f} W (max {pw[-1]:.0f}), temp {rr[-1][3]} C, reasons {reasons}")
 PY
 done
-if command -v nsys > /dev/null; then
-  nsys profile -t cuda --cuda-graph-trace=node -o "$OUT/m3_64k_graph" -f true \
-    "$BIN_RUN" --device cuda --iters 3 --graph --check-tokens 0 --quiet --seqlen 65536 > "$OUT/nsys.log" 2>&1
-  nsys export -t sqlite -o "$OUT/m3_64k_graph.sqlite" -f true "$OUT/m3_64k_graph.nsys-rep" >> "$OUT/nsys.log" 2>&1
-  python3 scripts/graph_kernel_split.py "$OUT/m3_64k_graph.sqlite" 2>&1 | head -40
-  rm -f "$OUT/m3_64k_graph.nsys-rep"; gzip -f "$OUT/m3_64k_graph.sqlite"
-else
-  echo "no nsys on this machine"
-fi
