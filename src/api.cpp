@@ -1,6 +1,8 @@
 // The public API: argument validation (every check before anything is written) and dispatch
 // to the CPU or CUDA backend by the inputs' device.
 #include <cmath>
+#include <cstdint>
+#include <iterator>
 #include <sstream>
 #include <vector>
 
@@ -243,6 +245,30 @@ void check_backward_args(const TensorView& o, const TensorView& lse, const Tenso
   check_tensor("dqp", g.dqp, {p.T, p.Hp, p.Dp}, p.dtype, dev, di);
   check_tensor("dkp", g.dkp, {p.T, p.Hpk, p.Dp}, p.dtype, dev, di);
   check_scalar("kl", kl, dev, di);
+  // No output may overlap another output or an input: the CUDA backward keeps accumulators in dq's
+  // buffer while its kernels still read the inputs, and writes every output from its own buffer.
+  struct Named {
+    const char* name;
+    const TensorView* t;
+  };
+  const Named outputs[] = {{"dq", &g.dq}, {"dk", &g.dk}, {"dv", &g.dv}, {"dqp", &g.dqp}, {"dkp", &g.dkp}, {"kl", &kl}};
+  const Named inputs[] = {{"q", &in.q},   {"k", &in.k},     {"v", &in.v},     {"qp", &in.qp},
+                          {"kp", &in.kp}, {"o", &o},        {"lse", &lse},    {"d_o", &d_o},
+                          {"kl_grad", &kl_grad}, {"cu_seqlens", &in.cu_seqlens}};
+  auto overlap = [](const TensorView& a, const TensorView& b) {
+    if (!a.defined() || !b.defined() || a.numel() == 0 || b.numel() == 0) return false;
+    const auto a0 = reinterpret_cast<uintptr_t>(a.data), b0 = reinterpret_cast<uintptr_t>(b.data);
+    return a0 < b0 + static_cast<uintptr_t>(b.numel() * dtype_size(b.dtype)) &&
+           b0 < a0 + static_cast<uintptr_t>(a.numel() * dtype_size(a.dtype));
+  };
+  for (size_t i = 0; i < std::size(outputs); ++i) {
+    for (size_t j = i + 1; j < std::size(outputs); ++j)
+      if (overlap(*outputs[i].t, *outputs[j].t))
+        fail(std::string("arguments '") + outputs[i].name + "' and '" + outputs[j].name + "' overlap in memory");
+    for (const Named& x : inputs)
+      if (overlap(*outputs[i].t, *x.t))
+        fail(std::string("argument '") + outputs[i].name + "' overlaps input '" + x.name + "' in memory");
+  }
   p.o = o.data;
   p.lse = static_cast<float*>(lse.data);
   p.d_o = d_o.data;

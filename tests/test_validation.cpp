@@ -664,3 +664,21 @@ TEST_F(BadInput, NdimOutOfRange) {
 }
 
 }  // namespace
+
+// Gradients may not share memory with each other or with an input (the CUDA backward keeps
+// accumulators in dq's buffer while its kernels read the inputs).
+TEST_F(BadInput, OverlappingOutputs) {
+  const auto& h = c_.heads;
+  const DType dt = c_.dtype;
+  grads_.dqp = flashmsa::make_view(dq_.data(), dt, {T_, h.Hp, h.Dp});  // inside dq
+  expect_rejected(kBackward, "'dq' and 'dqp' overlap");
+  SetUp();
+  grads_.dq = flashmsa::make_view(in_.q.data, dt, {T_, h.H, h.D});  // in place of q
+  expect_rejected(kBackward, "'dq' overlaps input 'q'");
+  SetUp();
+  grads_.dv = flashmsa::make_view(pr_.d_o_t.data(), dt, {T_, h.Hkv, h.Dv});  // inside d_o
+  expect_rejected(kBackward, "'dv' overlaps input 'd_o'");
+  SetUp();
+  kl_b_v_ = flashmsa::make_view(static_cast<unsigned char*>(dkp_.data()) + 4, DType::fp32, {1});
+  expect_rejected(kBackward, "'dkp' and 'kl' overlap");
+}

@@ -7,6 +7,7 @@
 // workspace: a caller's allocator serving a whole step, and flashmsa's own pool keeping its memory.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -249,7 +250,7 @@ void install_allocator(A& a) {
 // A caller's allocator that counts what it hands out, on the stream it is given.
 struct CountingAllocator {
   int allocs = 0, frees = 0;
-  size_t live = 0, bytes_total = 0;
+  size_t live = 0, bytes_total = 0, peak = 0;
   std::vector<std::pair<void*, size_t>> blocks;
   static void* allocate(void* ctx, size_t bytes, int, flashmsa::Stream stream) {
     auto* self = static_cast<CountingAllocator*>(ctx);
@@ -257,6 +258,7 @@ struct CountingAllocator {
     if (cudaMallocAsync(&p, bytes, static_cast<cudaStream_t>(stream)) != cudaSuccess) return nullptr;
     ++self->allocs;
     self->live += bytes;
+    self->peak = std::max(self->peak, self->live);
     self->bytes_total += bytes;
     self->blocks.emplace_back(p, bytes);
     return p;
@@ -300,6 +302,31 @@ TEST(CudaWorkspace, CallerAllocatorServesTheWholeStep) {
   EXPECT_EQ(counter.frees, counter.allocs);
   EXPECT_EQ(counter.live, 0u);
   expect_same_bits(hooked, own_pool, "caller's allocator vs flashmsa's pool");
+}
+
+// performance.md's memory goal at an fm16k-like shape (two proxy groups per kv head, so dk / dv go
+// through accumulators): the step's peak workspace within 2.5 x size(q). The backward's side
+// accumulators (dqp, dk, dv) live in the caller's dq buffer until dq's own convert (3.3 x before).
+TEST(CudaWorkspace, BackwardWithinTwoAndAHalfQ) {
+  GPUTEST_REQUIRE_DEVICE();
+  const Shape s = shape(16, 2, 4, 1, 128, 16, {4096});
+  StepCase c;
+  ASSERT_NO_FATAL_FAILURE(make_step_case(c, s, 217, false));
+  CountingAllocator counter;
+  install_allocator(counter);
+  StepResult r;
+  try {
+    run_eager(c, r);
+  } catch (const flashmsa::Error& e) {
+    ADD_FAILURE() << "the step threw: " << e.what();
+  }
+  cudaStreamSynchronize(c.g.stream);
+  flashmsa::set_workspace_allocator(flashmsa::WorkspaceAllocator());
+  const double q_bytes = static_cast<double>(c.pr.T) * s.H * s.D * 2;
+  EXPECT_GE(static_cast<double>(counter.peak), 2.0 * q_bytes) << "no fp32 dq accumulator in the workspace?";
+  EXPECT_LE(static_cast<double>(counter.peak), 2.5 * q_bytes)
+      << "peak workspace " << counter.peak / q_bytes << " x size(q)";
+  EXPECT_EQ(counter.live, 0u);
 }
 
 // A caller's allocator whose buffers start 16 bytes past a 256-byte boundary: flashmsa refuses them
