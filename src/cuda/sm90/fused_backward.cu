@@ -606,7 +606,6 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   Workspace ws;
   reserve_selection_lists(sel, p, ws, stream);  // its scratch: over the accumulators, below
   const size_t o_di = ws.add(T * p.H * sizeof(float));
-  const size_t o_pmax = ws.add(n_entries * sizeof(float)), o_psum = ws.add(n_entries * sizeof(float));
   const size_t o_lse_s = ws.add(static_cast<size_t>(p.Hp) * T * sizeof(float));
   const size_t o_kl_part = ws.add(std::max<int64_t>(nkeys, 1) * sizeof(float));
   const int64_t n_dq = T * p.H * p.D, n_dqp = T * p.Hp * p.Dp;
@@ -614,16 +613,16 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // The side accumulators (dqp, the non-owned dk / dv, dkp) go into the caller's dq buffer while
   // they fit, in that order: dq is written only by the last convert, after theirs have been read
   // (not so with the query-major dq, which writes it first). Their bytes then leave the workspace
-  // (fm16k: 3.3 -> 2.34 x size(q); the API rejects gradients that overlap each other or an input).
+  // (fm16k: 3.3 -> 2.33 x size(q); the API rejects gradients that overlap each other or an input).
   // The rest are zeroed together with the dq accumulator: keep them contiguous.
   const size_t dq_bytes = static_cast<size_t>(n_dq) * (p.dtype == DType::fp32 ? 4 : 2);
-  size_t side_bytes = 0;
+  size_t dq_used = 0;
   const size_t o_acc_begin = ws.add(0);
   auto place = [&](int64_t bytes) {  // an offset into dq (AccAt::in_dq) or into the workspace
     const size_t padded = (static_cast<size_t>(bytes) + 255) / 256 * 256;
-    if (!dq_query_major && side_bytes + padded <= dq_bytes) {
-      side_bytes += padded;
-      return AccAt{true, side_bytes - padded};
+    if (!dq_query_major && dq_used + padded <= dq_bytes) {
+      dq_used += padded;
+      return AccAt{true, dq_used - padded};
     }
     return AccAt{false, ws.add(static_cast<size_t>(bytes))};
   };
@@ -632,7 +631,12 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   const AccAt at_dk = main_owned ? AccAt{} : place(n_dk * acc_elem);
   const AccAt at_dv = main_owned ? AccAt{} : place(n_dk * acc_elem);
   const AccAt at_dkp = dkp_in_acc ? place(n_dkp * acc_elem) : AccAt{};
-  const size_t o_acc_end = ws.add(0);
+  const size_t o_acc_end = ws.add(0), side_bytes = dq_used;  // the part of dq to zero
+  // The student lse's per-entry partials (read only until lse_s is formed, before the main kernel)
+  // go there too, past the accumulators, where they fit: the warm-up's all-blocks index makes
+  // them 0.25 x size(q) at m3.
+  const AccAt at_pmax = place(n_entries * static_cast<int64_t>(sizeof(float)));
+  const AccAt at_psum = place(n_entries * static_cast<int64_t>(sizeof(float)));
   // The accumulators are zeroed after the index is built: its scratch can live there.
   place_selection_scratch(sel, ws, o_acc_begin, o_acc_end - o_acc_begin);
   const size_t o_amax = det ? ws.add(8 * sizeof(unsigned int)) : 0;
@@ -694,7 +698,8 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   void* dkp_acc = dkp_in_acc ? acc_ptr(at_dkp) : nullptr;
   auto run = [&](auto tag) {
     constexpr int D = decltype(tag)::value;
-    run_kernels<D>(p, stream, ix, ws.at<float>(o_di), ws.at<float>(o_pmax), ws.at<float>(o_psum),
+    run_kernels<D>(p, stream, ix, ws.at<float>(o_di), static_cast<float*>(acc_ptr(at_pmax)),
+                   static_cast<float*>(acc_ptr(at_psum)),
                    ws.at<float>(o_lse_s), dq_acc, dqp_acc, dk_acc, dv_acc, dkp_acc, fx, row_fx,
                    ws.at<float>(o_kl_part), main_owned, kl_owned, nseg, fold, token_rows);
   };
