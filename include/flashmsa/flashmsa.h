@@ -82,6 +82,8 @@ struct AttentionInputs {
   const int32_t* cu_seqlens_host = nullptr;
 };
 
+// The gradients must not overlap each other, the KL output or any input (rejected): the CUDA
+// backward uses dq's buffer for its smaller accumulators until it writes dq last.
 struct Gradients {
   TensorView dq;   // [T, H, D]
   TensorView dk;   // [T, Hkv, D]
