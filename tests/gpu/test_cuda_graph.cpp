@@ -247,6 +247,22 @@ void install_allocator(A& a) {
   flashmsa::set_workspace_allocator(hook);
 }
 
+// Runs the step eagerly with allocator a serving its workspace, then gives flashmsa its own pool
+// back; returns the message of the error the step threw ("" if none).
+template <typename A>
+std::string run_with_allocator(StepCase& c, A& a, StepResult& out) {
+  install_allocator(a);
+  std::string error;
+  try {
+    run_eager(c, out);
+  } catch (const flashmsa::Error& e) {
+    error = e.what();
+  }
+  cudaStreamSynchronize(c.g.stream);
+  flashmsa::set_workspace_allocator(flashmsa::WorkspaceAllocator());
+  return error;
+}
+
 // A caller's allocator that counts what it hands out, on the stream it is given.
 struct CountingAllocator {
   int allocs = 0, frees = 0;
@@ -288,14 +304,7 @@ TEST(CudaWorkspace, CallerAllocatorServesTheWholeStep) {
   run_eager(c, own_pool);
 
   CountingAllocator counter;
-  install_allocator(counter);
-  try {
-    run_eager(c, hooked);
-  } catch (const flashmsa::Error& e) {
-    ADD_FAILURE() << "the step threw with a caller's allocator: " << e.what();
-  }
-  cudaStreamSynchronize(c.g.stream);
-  flashmsa::set_workspace_allocator(flashmsa::WorkspaceAllocator());
+  EXPECT_EQ(run_with_allocator(c, counter, hooked), "") << "the step threw with a caller's allocator";
   EXPECT_GT(counter.allocs, 2) << "the step's index and accumulators did not come from the allocator";
   EXPECT_GT(counter.bytes_total, static_cast<size_t>(c.pr.T * s.H * s.D) * 2)
       << "the backward's accumulators are larger than q";
@@ -313,15 +322,8 @@ TEST(CudaWorkspace, BackwardWithinTwoAndAHalfQ) {
   StepCase c;
   ASSERT_NO_FATAL_FAILURE(make_step_case(c, s, 217, false));
   CountingAllocator counter;
-  install_allocator(counter);
   StepResult r;
-  try {
-    run_eager(c, r);
-  } catch (const flashmsa::Error& e) {
-    ADD_FAILURE() << "the step threw: " << e.what();
-  }
-  cudaStreamSynchronize(c.g.stream);
-  flashmsa::set_workspace_allocator(flashmsa::WorkspaceAllocator());
+  EXPECT_EQ(run_with_allocator(c, counter, r), "") << "the step threw";
   const double q_bytes = static_cast<double>(c.pr.T) * s.H * s.D * 2;
   EXPECT_GE(static_cast<double>(counter.peak), 2.0 * q_bytes) << "no fp32 dq accumulator in the workspace?";
   EXPECT_LE(static_cast<double>(counter.peak), 2.5 * q_bytes)
@@ -352,18 +354,10 @@ TEST(CudaWorkspace, MisalignedAllocatorRefused) {
   StepCase c;
   ASSERT_NO_FATAL_FAILURE(make_step_case(c, s, 213, false));
   MisalignedAllocator m;
-  install_allocator(m);
-  bool threw = false;
-  try {
-    StepResult r;
-    run_eager(c, r);
-  } catch (const flashmsa::Error& e) {
-    threw = true;
-    EXPECT_NE(std::string(e.what()).find("not aligned to 256 bytes"), std::string::npos) << e.what();
-  }
-  cudaStreamSynchronize(c.g.stream);
-  flashmsa::set_workspace_allocator(flashmsa::WorkspaceAllocator());
-  EXPECT_TRUE(threw) << "a misaligned workspace buffer was accepted";
+  StepResult r;
+  const std::string error = run_with_allocator(c, m, r);
+  EXPECT_NE(error.find("not aligned to 256 bytes"), std::string::npos)
+      << "a misaligned workspace buffer was accepted, or another error: " << error;
   EXPECT_GT(m.allocs, 0) << "the step took no workspace from the allocator";
   EXPECT_EQ(m.frees, m.allocs) << "a refused buffer was not given back";
 }
