@@ -28,6 +28,7 @@ using gputest::shape;
 
 struct StepBuffers {
   DeviceBuffer sel, o, lse, kl_fwd, d_o, dq, dk, dv, dqp, dkp, kl_bwd;
+  size_t dq_offset = 0;  // bytes: dq's view starts there (16: only as aligned as the API requires)
 };
 
 struct StepResult {
@@ -56,8 +57,9 @@ void enqueue_step(const Problem& pr, const flashmsa::Options& opt, StepBuffers& 
   const auto lse = gputest::dview(b.lse, DType::fp32, {s.H, T});
   flashmsa::select_blocks(in, opt, sel, stream);
   flashmsa::sparse_attention_forward(in, sel, opt, o, lse, gputest::dview(b.kl_fwd, DType::fp32, {1}), stream);
-  const flashmsa::Gradients g = gputest::grad_views(b.dq.get(), b.dk.get(), b.dv.get(), b.dqp.get(), b.dkp.get(),
-                                                    s, T, flashmsa::Device::cuda);
+  void* const dq = static_cast<unsigned char*>(b.dq.get()) + b.dq_offset;
+  const flashmsa::Gradients g =
+      gputest::grad_views(dq, b.dk.get(), b.dv.get(), b.dqp.get(), b.dkp.get(), s, T, flashmsa::Device::cuda);
   flashmsa::fused_backward(in, sel, o, lse, gputest::dview(b.d_o, DType::bf16, {T, s.H, s.D}),
                            flashmsa::TensorView(), opt, g, gputest::dview(b.kl_bwd, DType::fp32, {1}), stream);
 }
@@ -68,6 +70,8 @@ StepResult take(const StepBuffers& b) {
   r.o = b.o.download<uint16_t>();
   r.lse = b.lse.download<float>();
   r.dq = b.dq.download<uint16_t>();
+  r.dq.erase(r.dq.begin(), r.dq.begin() + static_cast<std::ptrdiff_t>(b.dq_offset / 2));
+  r.dq.resize((b.dq.bytes() - b.dq_offset) / 2);
   r.dk = b.dk.download<uint16_t>();
   r.dv = b.dv.download<uint16_t>();
   r.dqp = b.dqp.download<uint16_t>();
@@ -329,6 +333,24 @@ TEST(CudaWorkspace, BackwardWithinTwoAndAHalfQ) {
   EXPECT_LE(static_cast<double>(counter.peak), 2.5 * q_bytes)
       << "peak workspace " << counter.peak / q_bytes << " x size(q)";
   EXPECT_EQ(counter.live, 0u);
+}
+
+// The backward keeps its side accumulators in dq's buffer (fused_backward.cu), at 256-byte offsets
+// from dq's start; the API asks dq for 16-byte alignment only. A dq view 16 bytes into its buffer
+// gives the same bits in deterministic mode, on token-row tiles (groups of 16): there dq's buffer
+// holds the int32 dqp and int64 dkp accumulators (with other shapes deterministic mode's dq is
+// query-major and dq's buffer holds nothing).
+TEST(CudaWorkspace, DqOnlySixteenByteAligned) {
+  GPUTEST_REQUIRE_DEVICE();
+  const Shape s = shape(32, 2, 2, 1, 128, 16, {1500, 0, 700});
+  StepCase c;
+  ASSERT_NO_FATAL_FAILURE(make_step_case(c, s, 219, true));
+  StepResult aligned, offset;
+  run_eager(c, aligned);
+  c.b.dq = DeviceBuffer(c.b.dq.bytes() + 16);
+  c.b.dq_offset = 16;
+  run_eager(c, offset);
+  expect_same_bits(offset, aligned, "dq 16 bytes into its buffer vs dq at its start");
 }
 
 // A caller's allocator whose buffers start 16 bytes past a 256-byte boundary: flashmsa refuses them
