@@ -230,9 +230,10 @@ void check_forward_outputs(const TensorView& o, const TensorView& lse, const Ten
   p.kl = kl.defined() ? static_cast<float*>(kl.data) : nullptr;
 }
 
+// block_idx: the sparse backward's (undefined for the warm-up), checked here only for overlaps.
 void check_backward_args(const TensorView& o, const TensorView& lse, const TensorView& d_o,
                          const TensorView& kl_grad, const Gradients& g, const TensorView& kl,
-                         MsaParams& p, const AttentionInputs& in) {
+                         MsaParams& p, const AttentionInputs& in, const TensorView& block_idx = TensorView()) {
   const Device dev = in.q.device;
   const int di = in.q.device_index;
   check_tensor("o", o, {p.T, p.H, p.Dv}, p.dtype, dev, di);
@@ -254,7 +255,7 @@ void check_backward_args(const TensorView& o, const TensorView& lse, const Tenso
   const Named outputs[] = {{"dq", &g.dq}, {"dk", &g.dk}, {"dv", &g.dv}, {"dqp", &g.dqp}, {"dkp", &g.dkp}, {"kl", &kl}};
   const Named inputs[] = {{"q", &in.q},   {"k", &in.k},     {"v", &in.v},     {"qp", &in.qp},
                           {"kp", &in.kp}, {"o", &o},        {"lse", &lse},    {"d_o", &d_o},
-                          {"kl_grad", &kl_grad}, {"cu_seqlens", &in.cu_seqlens}};
+                          {"kl_grad", &kl_grad}, {"cu_seqlens", &in.cu_seqlens}, {"block_idx", &block_idx}};
   auto overlap = [](const TensorView& a, const TensorView& b) {
     if (!a.defined() || !b.defined() || a.numel() == 0 || b.numel() == 0) return false;
     const auto a0 = reinterpret_cast<uintptr_t>(a.data), b0 = reinterpret_cast<uintptr_t>(b.data);
@@ -312,7 +313,7 @@ void fused_backward(const AttentionInputs& in, const TensorView& block_idx, cons
                     const Options& opt, Gradients grads, TensorView kl, Stream stream) {
   MsaParams p = validate_inputs(in, opt);
   check_block_idx(block_idx, p, in);
-  check_backward_args(o, lse, d_o, kl_grad, grads, kl, p, in);
+  check_backward_args(o, lse, d_o, kl_grad, grads, kl, p, in, block_idx);
   std::vector<int32_t> cu_host;
   validate_cu_seqlens(in, p, cu_host, stream);
   p.block_idx = static_cast<int32_t*>(block_idx.data);

@@ -681,4 +681,7 @@ TEST_F(BadInput, OverlappingOutputs) {
   SetUp();
   kl_b_v_ = flashmsa::make_view(static_cast<unsigned char*>(dkp_.data()) + 4, DType::fp32, {1});
   expect_rejected(kBackward, "'dkp' and 'kl' overlap");
+  SetUp();
+  grads_.dkp = flashmsa::make_view(block_idx_.data(), c_.dtype, {T_, h.Hpk, h.Dp});  // over the selection
+  expect_rejected({Op::fused_bwd, Op::msa_bwd}, "'dkp' overlaps input 'block_idx'");
 }

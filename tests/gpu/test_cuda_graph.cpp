@@ -343,6 +343,7 @@ TEST(CudaWorkspace, BackwardWithinTwoAndAHalfQ) {
 TEST(CudaWorkspace, DqOnlySixteenByteAligned) {
   GPUTEST_REQUIRE_DEVICE();
   const Shape s = shape(32, 2, 2, 1, 128, 16, {1500, 0, 700});
+  const gputest::ScopedEnv kv_dq("FLASHMSA_DET_DQ", "kv");  // an error, not another route, if not taken
   StepCase c;
   ASSERT_NO_FATAL_FAILURE(make_step_case(c, s, 219, true));
   StepResult aligned, offset;
@@ -351,6 +352,9 @@ TEST(CudaWorkspace, DqOnlySixteenByteAligned) {
   c.b.dq_offset = 16;
   run_eager(c, offset);
   expect_same_bits(offset, aligned, "dq 16 bytes into its buffer vs dq at its start");
+  const auto head = c.b.dq.download<unsigned char>();
+  for (int i = 0; i < 16; ++i)
+    EXPECT_EQ(head[i], static_cast<unsigned char>(gputest::kFloatPoison)) << "byte " << i << " before dq was written";
 }
 
 // A caller's allocator whose buffers start 16 bytes past a 256-byte boundary: flashmsa refuses them

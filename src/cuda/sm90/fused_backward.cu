@@ -180,8 +180,9 @@ __global__ void convert_acc_kernel(const void* __restrict__ acc,  // [n] fp32, o
                                    bool permuted = false, bool int32 = false,
                                    const float* __restrict__ row_fx = nullptr) {  // [n / 128]: per row
   // Eight consecutive outputs per thread, one 16-byte store (n: rows of D = 64 or 128; the outputs
-  // are 16-byte aligned (api.cpp), the accumulators 256-byte (workspace)). A group of 8 columns
-  // stays contiguous under the permutation, so its 8 values are one 32-byte (64 with int64) load.
+  // and accumulators are 16-byte aligned: api.cpp's rule for dq, whose buffer may hold accumulators).
+  // A group of 8 columns stays contiguous under the permutation: its 8 values are two (four with
+  // int64) 16-byte loads.
   for (int64_t gi = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; gi < (n >> 3);
        gi += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t i = gi << 3;
@@ -615,28 +616,42 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // (not so with the query-major dq, which writes it first). Their bytes then leave the workspace
   // (fm16k: 3.3 -> 2.33 x size(q); the API rejects gradients that overlap each other or an input).
   // The rest are zeroed together with the dq accumulator: keep them contiguous.
+  auto pad = [](int64_t bytes) { return (static_cast<size_t>(bytes) + 255) / 256 * 256; };  // Workspace::add's
   const size_t dq_bytes = static_cast<size_t>(n_dq) * (p.dtype == DType::fp32 ? 4 : 2);
+  const size_t b_dq = dq_query_major ? 0 : pad(n_dq * (dq_kv_int32 ? 4 : acc_elem));
+  const size_t b_dqp = pad(n_dqp * (dq_kv_int32 ? 4 : acc_elem)), b_dk = main_owned ? 0 : pad(n_dk * acc_elem);
+  const size_t b_dkp = dkp_in_acc ? pad(n_dkp * acc_elem) : 0;
+  // The index's scratch lives in the workspace's accumulator region when it fits there (below):
+  // where moving the side accumulators out would push it into a workspace buffer of its own that
+  // is larger than what they free (the warm-up's all-blocks index with few heads), they stay.
+  bool side_in_dq = !dq_query_major;
+  {
+    size_t moved = 0, kept = 0;
+    for (size_t b : {b_dqp, b_dk, b_dk, b_dkp}) (moved + b <= dq_bytes ? moved : kept) += b;
+    const size_t scratch = 3 * pad(n_entries * 4) + pad(static_cast<int64_t>(sel.cub_bytes));
+    if (scratch > b_dq + kept && scratch <= b_dq + kept + moved && scratch > moved) side_in_dq = false;
+  }
   size_t dq_used = 0;
   const size_t o_acc_begin = ws.add(0);
-  auto place = [&](int64_t bytes) {  // an offset into dq (AccAt::in_dq) or into the workspace
-    const size_t padded = (static_cast<size_t>(bytes) + 255) / 256 * 256;
-    if (!dq_query_major && dq_used + padded <= dq_bytes) {
-      dq_used += padded;
-      return AccAt{true, dq_used - padded};
+  // An offset into dq (AccAt::in_dq) or into the workspace.
+  auto place = [&](int64_t bytes, bool may_use_dq) {
+    if (may_use_dq && !dq_query_major && dq_used + pad(bytes) <= dq_bytes) {
+      dq_used += pad(bytes);
+      return AccAt{true, dq_used - pad(bytes)};
     }
     return AccAt{false, ws.add(static_cast<size_t>(bytes))};
   };
   const size_t o_dq = dq_query_major ? 0 : ws.add(n_dq * (dq_kv_int32 ? 4 : acc_elem));
-  const AccAt at_dqp = place(n_dqp * (dq_kv_int32 ? 4 : acc_elem));
-  const AccAt at_dk = main_owned ? AccAt{} : place(n_dk * acc_elem);
-  const AccAt at_dv = main_owned ? AccAt{} : place(n_dk * acc_elem);
-  const AccAt at_dkp = dkp_in_acc ? place(n_dkp * acc_elem) : AccAt{};
+  const AccAt at_dqp = place(n_dqp * (dq_kv_int32 ? 4 : acc_elem), side_in_dq);
+  const AccAt at_dk = main_owned ? AccAt{} : place(n_dk * acc_elem, side_in_dq);
+  const AccAt at_dv = main_owned ? AccAt{} : place(n_dk * acc_elem, side_in_dq);
+  const AccAt at_dkp = dkp_in_acc ? place(n_dkp * acc_elem, side_in_dq) : AccAt{};
   const size_t o_acc_end = ws.add(0), side_bytes = dq_used;  // the part of dq to zero
   // The student lse's per-entry partials (read only until lse_s is formed, before the main kernel)
   // go there too, past the accumulators, where they fit: the warm-up's all-blocks index makes
   // them 0.25 x size(q) at m3.
-  const AccAt at_pmax = place(n_entries * static_cast<int64_t>(sizeof(float)));
-  const AccAt at_psum = place(n_entries * static_cast<int64_t>(sizeof(float)));
+  const AccAt at_pmax = place(n_entries * static_cast<int64_t>(sizeof(float)), true);
+  const AccAt at_psum = place(n_entries * static_cast<int64_t>(sizeof(float)), true);
   // The accumulators are zeroed after the index is built: its scratch can live there.
   place_selection_scratch(sel, ws, o_acc_begin, o_acc_end - o_acc_begin);
   const size_t o_amax = det ? ws.add(8 * sizeof(unsigned int)) : 0;
