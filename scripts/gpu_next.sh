@@ -2,9 +2,12 @@
 # The next device calls (prepared in the eighteenth session, not run yet). Binaries, built here for
 # sm_90a and git-ignored, travel with carry ["ab4"]; rebuild them with
 #   bash scripts/build_variants.sh ab4 main=86fa645:tests si=exp/bwd-split-issue:tests
-#   ab4/run_main, ab4/tests_main   main at 86fa645 (device code of 5d55212: the side accumulators and the student lse's
-#                  partials in dq's buffer). Its full suite has not run since the workspace tests were
-#                  refactored (run_with_allocator, 71d2546) and CudaWorkspace.DqOnlySixteenByteAligned added (compiled only).
+#   ab4/run_main, ab4/tests_main   main at 86fa645 (the backward's side accumulators and the student
+#                  lse's partials in dq's buffer, device code of 5d55212). Its full suite has not run
+#                  since 78dea4a: the workspace tests' run_with_allocator, the new
+#                  CudaWorkspace.DqOnlySixteenByteAligned and the review fixes of 86fa645 (host side:
+#                  block_idx in the overlap check, the placement rule for the index scratch) are
+#                  compiled only.
 #   ab4/run_si, ab4/tests_si       exp/bwd-split-issue: with token rows (m = 8, 16), a head step's dQ
 #                  bulk reduce-adds split between the warpgroups (each WG's warp 0 issues and waits for
 #                  half the tokens) instead of all on WG 0's warp 0, which WG 1 then waited for at DsFree
