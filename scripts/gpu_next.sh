@@ -3,8 +3,8 @@
 # sm_90a and git-ignored, travel with carry ["ab4"]; rebuild them with
 #   bash scripts/build_variants.sh ab4 main=86fa645:tests si=exp/bwd-split-issue:tests
 #   ab4/run_main, ab4/tests_main   main at 86fa645 (the backward's side accumulators and the student
-#                  lse's partials in dq's buffer, device code of 5d55212). Its full suite has not run
-#                  since 78dea4a: the workspace tests' run_with_allocator, the new
+#                  lse's partials in dq's buffer, device code of 5d55212). Its full suite last ran at
+#                  691f611 (78dea4a: 19 tests); the workspace tests' run_with_allocator, the new
 #                  CudaWorkspace.DqOnlySixteenByteAligned and the review fixes of 86fa645 (host side:
 #                  block_idx in the overlap check, the placement rule for the index scratch) are
 #                  compiled only.
