@@ -616,7 +616,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // (not so with the query-major dq, which writes it first). Their bytes then leave the workspace
   // (fm16k: 3.3 -> 2.33 x size(q); the API rejects gradients that overlap each other or an input).
   // The rest are zeroed together with the dq accumulator: keep them contiguous.
-  auto pad = [](int64_t bytes) { return (static_cast<size_t>(bytes) + 255) / 256 * 256; };  // Workspace::add's
+  auto pad = [](int64_t bytes) { return (static_cast<size_t>(bytes) + 255) / 256 * 256; };  // as Workspace::add pads
   const size_t dq_bytes = static_cast<size_t>(n_dq) * (p.dtype == DType::fp32 ? 4 : 2);
   const size_t b_dq = dq_query_major ? 0 : pad(n_dq * (dq_kv_int32 ? 4 : acc_elem));
   const size_t b_dqp = pad(n_dqp * (dq_kv_int32 ? 4 : acc_elem)), b_dk = main_owned ? 0 : pad(n_dk * acc_elem);
