@@ -71,7 +71,6 @@ StepResult take(const StepBuffers& b) {
   r.lse = b.lse.download<float>();
   r.dq = b.dq.download<uint16_t>();
   r.dq.erase(r.dq.begin(), r.dq.begin() + static_cast<std::ptrdiff_t>(b.dq_offset / 2));
-  r.dq.resize((b.dq.bytes() - b.dq_offset) / 2);
   r.dk = b.dk.download<uint16_t>();
   r.dv = b.dv.download<uint16_t>();
   r.dqp = b.dqp.download<uint16_t>();

@@ -47,9 +47,11 @@ class Workspace {
   Workspace& operator=(const Workspace&) = delete;
   Workspace& operator=(Workspace&&) = delete;
   ~Workspace() { workspace_free(base_, stream_); }
+  // Every region starts 256-byte aligned: add reserves `bytes` padded to that.
+  static constexpr size_t padded(size_t bytes) { return (bytes + 255) / 256 * 256; }
   size_t add(size_t bytes) {
     const size_t at = size_;
-    size_ += (bytes + 255) / 256 * 256;
+    size_ += padded(bytes);
     return at;
   }
   size_t size() const { return size_; }
@@ -178,9 +180,8 @@ inline void reserve_selection_lists(SelectionIndexPlan& s, const MsaParams& p, W
 // region the caller does not use before the index is built: the backward's accumulators, zeroed
 // after it, save the scratch's 16 B per entry of peak workspace), else reserves it after the rest.
 inline void place_selection_scratch(SelectionIndexPlan& s, Workspace& ws, size_t region = 0, size_t region_bytes = 0) {
-  auto pad = [](size_t bytes) { return (bytes + 255) / 256 * 256; };  // Workspace::add's alignment
-  const size_t entries = pad(s.n_entries * 4);
-  if (3 * entries + pad(s.cub_bytes) <= region_bytes) {
+  const size_t entries = Workspace::padded(s.n_entries * 4);
+  if (3 * entries + Workspace::padded(s.cub_bytes) <= region_bytes) {
     s.o_keys_in = region;
     s.o_keys_out = region + entries;
     s.o_vals_in = region + 2 * entries;

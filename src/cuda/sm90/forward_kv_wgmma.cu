@@ -902,10 +902,10 @@ KvwPlan plan_kvw_chunks(const MsaParams& p, int S, int C) {
   // acc_o fp32 or int32, acc_l fp32 or int64 (deterministic form), mref fp32 (in acc_l's size).
   const size_t acc_o = static_cast<size_t>(pl.Ceff) * pl.m * kD * 4,
                acc_row = static_cast<size_t>(pl.Ceff) * pl.m * (det ? 8 : 4);
-  auto up = [](size_t x) { return (x + 255) / 256 * 256; };
-  pl.acc_stride = up(acc_o) + 2 * up(acc_row);
-  pl.d_acc_l = up(acc_o);
-  pl.d_mref = up(acc_o) + up(acc_row);
+  const size_t acc_o_padded = Workspace::padded(acc_o), acc_row_padded = Workspace::padded(acc_row);
+  pl.acc_stride = acc_o_padded + 2 * acc_row_padded;
+  pl.d_acc_l = acc_o_padded;
+  pl.d_mref = acc_o_padded + acc_row_padded;
   const size_t need = pl.acc_stride * static_cast<size_t>(pl.S);
   if (need <= pl.sel.dead_bytes) {
     pl.o_acc = pl.sel.o_keys_in;

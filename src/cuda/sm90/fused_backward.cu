@@ -616,7 +616,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // (not so with the query-major dq, which writes it first). Their bytes then leave the workspace
   // (fm16k: 3.3 -> 2.33 x size(q); the API rejects gradients that overlap each other or an input).
   // The rest are zeroed together with the dq accumulator: keep them contiguous.
-  auto pad = [](int64_t bytes) { return (static_cast<size_t>(bytes) + 255) / 256 * 256; };  // as Workspace::add pads
+  auto pad = [](int64_t bytes) { return Workspace::padded(static_cast<size_t>(bytes)); };
   const size_t dq_bytes = static_cast<size_t>(n_dq) * (p.dtype == DType::fp32 ? 4 : 2);
   const size_t b_dq = dq_query_major ? 0 : pad(n_dq * (dq_kv_int32 ? 4 : acc_elem));
   const size_t b_dqp = pad(n_dqp * (dq_kv_int32 ? 4 : acc_elem)), b_dk = main_owned ? 0 : pad(n_dk * acc_elem);
@@ -628,7 +628,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   {
     size_t moved = 0, kept = 0;
     for (size_t b : {b_dqp, b_dk, b_dk, b_dkp}) (moved + b <= dq_bytes ? moved : kept) += b;
-    const size_t scratch = 3 * pad(n_entries * 4) + pad(static_cast<int64_t>(sel.cub_bytes));
+    const size_t scratch = 3 * pad(n_entries * 4) + Workspace::padded(sel.cub_bytes);
     if (scratch > b_dq + kept && scratch <= b_dq + kept + moved && scratch > moved) side_in_dq = false;
   }
   size_t dq_used = 0;
