@@ -560,6 +560,26 @@ TEST_F(BadInput, CudaDeviceWithoutCuda) {
   expect_rejected(kAll, {"CUDA", "cuda"});
 }
 
+// Head dims the CUDA kernels do not take (D = 256): an error that names the arguments and the
+// dims, before anything is written (a build without the CUDA backend names 'q' too).
+TEST_F(BadInput, CudaHeadDim256) {
+  if (flashmsa::cuda_device_available()) GTEST_SKIP() << "host pointers posing as device memory";
+  msatest::Case c;
+  c.heads = {2, 1, 1, 1, 256, 256, 256};
+  c.lengths = {5};
+  c.dtype = DType::bf16;
+  c.opt.block_size = 128;
+  c.opt.top_k = 2;
+  use_problem(c);
+  for (TensorView* v : {&in_.q, &in_.k, &in_.v, &in_.qp, &in_.kp, &in_.cu_seqlens, &idx_v_, &o_v_,
+                        &lse_v_, &kl_v_, &kl_b_v_, &d_o_v_, &kl_grad_v_, &grads_.dq, &grads_.dk,
+                        &grads_.dv, &grads_.dqp, &grads_.dkp})
+    v->device = Device::cuda;
+  in_.cu_seqlens_host = pr_.cfg.cu_seqlens.data();
+  if (flashmsa::cuda_backend_built()) expect_rejected(kAll, "'q', 'v', 'qp' have head dims D = 256");
+  else expect_rejected(kAll, "'q'");
+}
+
 // ---- block_idx contents (sparse forward and backward read it; the CPU backend checks it) ----
 //
 // The fixture: BLK 8, K 2, sequences of 20 tokens (blocks 0..2, tokens 0..19) and 13 tokens

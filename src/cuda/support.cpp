@@ -15,7 +15,9 @@ void check_supported(const MsaParams& p, const char* operation) {
     throw Error("flashmsa: " + op + ": option 'block_size' must be 128 on the CUDA backend");
   auto head_dim_ok = [](int d) { return d == 64 || d == 128; };
   if (!head_dim_ok(p.D) || !head_dim_ok(p.Dv) || !head_dim_ok(p.Dp))
-    throw Error("flashmsa: " + op + ": head dims D, Dv, Dp must be 64 or 128 on the CUDA backend");
+    throw Error("flashmsa: " + op + ": arguments 'q', 'v', 'qp' have head dims D = " + std::to_string(p.D) +
+                ", Dv = " + std::to_string(p.Dv) + ", Dp = " + std::to_string(p.Dp) +
+                "; the CUDA backend takes 64 or 128 (docs/design.md: why not 256)");
   if (p.D != p.Dv || p.D != p.Dp)
     throw Error("flashmsa: " + op + ": arguments 'q', 'v', 'qp' must have equal head dims "
                 "(D = Dv = Dp) on the CUDA backend");
