@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The next device calls (prepared in the nineteenth session, not run yet). Binaries, built here for
 # sm_90a and git-ignored, travel with carry ["ab7"]; rebuild them with
-#   bash scripts/build_variants.sh ab7 main=c5cedd0:tests fv=exp/finprep-vector:tests noq=exp/finprep-noq
+#   bash scripts/build_variants.sh ab7 main=c5cedd0:tests fv=exp/finprep-vector:tests noq=exp/finprep-noq \
+#     det4=exp/det-fwd-m4:tests
 #   ab7/run_main, ab7/tests_main   main (device code of c5cedd0 / 86fa645; 101/101 GPU tests there).
 #   ab7/run_fv, ab7/tests_fv       exp/finprep-vector: the forward's finprep kernel (finalize the
 #                  previous chunk's o / lse, prepare the next chunk's mref and zeroed accumulator) with
@@ -13,8 +14,15 @@
 #                  what this measures.
 #   ab7/run_noq                    TIMING PROBE on fv (wrong results, its checks FAIL by design):
 #                  finprep without the q / k reads (mref = 0): the weight of the 1 GB q read.
-# STAGES: tests (~2.5 min: fv's forward / graph / workspace / KL tests, memcheck of its KV-major
-# forward tests), ab (~5 min: main / fv / noq at m3 64k and 32k, fm16k (m = 4), det 64k, 2 rounds).
+#   ab7/run_det4, ab7/tests_det4   exp/det-fwd-m4: deterministic mode's two-pass fixed-point KV-major
+#                  forward for groups of 4 heads too (fm16k-like shapes ran the query-major kernel); the
+#                  GPU test CudaForward.WgmmaKvDeterministic gains an m = 4, G = 2 shape (vs the CPU
+#                  backend and the fast form, bitwise over reruns with 1 / 3 streams and chunk 256,
+#                  rows without their own block, FLASHMSA_DET_FWD=query).
+# STAGES: tests (~3 min: fv's forward / graph / workspace / KL tests, memcheck of its KV-major
+# forward tests; det4's forward and deterministic tests, memcheck of its deterministic forward test),
+# ab (~5 min: main / fv / noq at m3 64k and 32k, fm16k (m = 4), det 64k, 2 rounds), det4 (~1 min:
+# main / det4 at fm16k deterministic, 2 rounds, checked).
 # If fv wins: merge it, run the full suite and a record (scripts/build_gpu_bundle.sh, carry
 # ["scratch-gpu"], gpu_check.sh tests sanitizer main python scale, then bench m3 32k / 64k).
 set -uo pipefail
@@ -30,10 +38,20 @@ if [[ " $STAGES " == *" tests "* ]]; then
   timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 ab7/tests_fv --gtest_brief=1 \
     --gtest_filter='*WgmmaKv*' > "$OUT/memcheck_fv.log" 2>&1
   echo "memcheck fv: exit $?"; tail -n 2 "$OUT/memcheck_fv.log"
+  timeout 150 ab7/tests_det4 --gtest_brief=1 \
+    --gtest_filter='CudaForward.*:CudaBackward.*Determin*:CudaGraph.*' > "$OUT/tests_det4.log" 2>&1
+  echo "det4 tests: exit $?"; tail -n 3 "$OUT/tests_det4.log"
+  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 ab7/tests_det4 --gtest_brief=1 \
+    --gtest_filter='CudaForward.WgmmaKvDeterministic' > "$OUT/memcheck_det4.log" 2>&1
+  echo "memcheck det4: exit $?"; tail -n 2 "$OUT/memcheck_det4.log"
 fi
 if [[ " $STAGES " == *" ab "* ]]; then
   export ROUNDS=${ROUNDS:-2}
   export CONFIGS=${CONFIGS:-"m3_64k:--seqlen 65536;m3_32k:--seqlen 32768;fm16k:--seqlen 16384 --heads 16 --kv-heads 2;det_64k:--seqlen 65536 --deterministic"}
   export VARIANTS=${VARIANTS:-"main=ab7/run_main;fv=ab7/run_fv;noq=ab7/run_noq"}
   OUT=$OUT bash scripts/gpu_ab.sh
+fi
+if [[ " $STAGES " == *" det4 "* ]]; then
+  ROUNDS=2 CONFIGS="fm16k_det:--seqlen 16384 --heads 16 --kv-heads 2 --deterministic" \
+    VARIANTS="main=ab7/run_main;det4=ab7/run_det4" OUT=$OUT/det4 bash scripts/gpu_ab.sh
 fi
