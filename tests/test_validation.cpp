@@ -163,6 +163,22 @@ class BadInput : public ::testing::Test {
   }
   void expect_rejected(const std::vector<Op>& ops, const char* name) { expect_rejected(ops, {name}); }
 
+  // A bf16, BLK 128, K 2 problem of head dim d (one sequence of 5 tokens) whose views all claim to
+  // be CUDA memory: the pointers are host memory, so any kernel or copy attempt is caught.
+  void use_cuda_problem(int d) {
+    msatest::Case c;
+    c.heads = {2, 1, 1, 1, d, d, d};
+    c.lengths = {5};
+    c.dtype = DType::bf16;
+    c.opt.block_size = 128;
+    c.opt.top_k = 2;
+    use_problem(c);
+    for (TensorView* v : {&in_.q, &in_.k, &in_.v, &in_.qp, &in_.kp, &in_.cu_seqlens, &idx_v_, &o_v_,
+                          &lse_v_, &kl_v_, &kl_b_v_, &d_o_v_, &kl_grad_v_, &grads_.dq, &grads_.dk,
+                          &grads_.dv, &grads_.dqp, &grads_.dkp})
+      v->device = Device::cuda;
+  }
+
   // A view of the scratch buffer with the given shape (contiguous) and dtype.
   TensorView scratch_view(std::initializer_list<int64_t> shape, DType dtype = DType::fp32) {
     return flashmsa::make_view(scratch_.data(), dtype, shape);
@@ -540,18 +556,8 @@ TEST_F(BadInput, MixedDevices) {
 // run a kernel or copy would be caught by the sentinel check or crash the test.
 TEST_F(BadInput, CudaDeviceWithoutCuda) {
   if (flashmsa::cuda_device_available()) GTEST_SKIP() << "a CUDA device is present (tests/gpu covers it)";
-  // bf16, BLK 128, head dims 64 so a CUDA build gets past its support check to the device.
-  msatest::Case c;
-  c.heads = {2, 1, 1, 1, 64, 64, 64};
-  c.lengths = {5};
-  c.dtype = DType::bf16;
-  c.opt.block_size = 128;
-  c.opt.top_k = 2;
-  use_problem(c);
-  for (TensorView* v : {&in_.q, &in_.k, &in_.v, &in_.qp, &in_.kp, &in_.cu_seqlens, &idx_v_, &o_v_,
-                        &lse_v_, &kl_v_, &kl_b_v_, &d_o_v_, &kl_grad_v_, &grads_.dq, &grads_.dk,
-                        &grads_.dv, &grads_.dqp, &grads_.dkp})
-    v->device = Device::cuda;
+  // Head dims 64 so a CUDA build gets past its support check to the device.
+  use_cuda_problem(64);
   // Any message will do as long as it is a flashmsa::Error; "CUDA" or "cuda" appears in both
   // the no-backend and the no-device messages.
   expect_rejected(kAll, {"CUDA", "cuda"});
@@ -564,17 +570,7 @@ TEST_F(BadInput, CudaDeviceWithoutCuda) {
 // dims, before anything is written (a build without the CUDA backend names 'q' too).
 TEST_F(BadInput, CudaHeadDim256) {
   if (flashmsa::cuda_device_available()) GTEST_SKIP() << "host pointers posing as device memory";
-  msatest::Case c;
-  c.heads = {2, 1, 1, 1, 256, 256, 256};
-  c.lengths = {5};
-  c.dtype = DType::bf16;
-  c.opt.block_size = 128;
-  c.opt.top_k = 2;
-  use_problem(c);
-  for (TensorView* v : {&in_.q, &in_.k, &in_.v, &in_.qp, &in_.kp, &in_.cu_seqlens, &idx_v_, &o_v_,
-                        &lse_v_, &kl_v_, &kl_b_v_, &d_o_v_, &kl_grad_v_, &grads_.dq, &grads_.dk,
-                        &grads_.dv, &grads_.dqp, &grads_.dkp})
-    v->device = Device::cuda;
+  use_cuda_problem(256);
   in_.cu_seqlens_host = pr_.cfg.cu_seqlens.data();
   if (flashmsa::cuda_backend_built()) expect_rejected(kAll, "'q', 'v', 'qp' have head dims D = 256");
   else expect_rejected(kAll, "'q'");
