@@ -2,7 +2,7 @@
 # The next device calls (prepared in the nineteenth session, not run yet). Binaries, built here for
 # sm_90a and git-ignored, travel with carry ["ab7"]; rebuild them with
 #   bash scripts/build_variants.sh ab7 main=c5cedd0:tests fv=exp/finprep-vector:tests noq=exp/finprep-noq \
-#     det4=exp/det-fwd-m4:tests
+#     det4=exp/det-fwd-m4:tests sp=exp/select-pipelined:tests
 #   ab7/run_main, ab7/tests_main   main (device code of c5cedd0 / 86fa645; 101/101 GPU tests there).
 #   ab7/run_fv, ab7/tests_fv       exp/finprep-vector: the forward's finprep kernel (finalize the
 #                  previous chunk's o / lse, prepare the next chunk's mref and zeroed accumulator) with
@@ -19,10 +19,17 @@
 #                  GPU test CudaForward.WgmmaKvDeterministic gains an m = 4, G = 2 shape (vs the CPU
 #                  backend and the fast form, bitwise over reruns with 1 / 3 streams and chunk 256,
 #                  rows without their own block, FLASHMSA_DET_FWD=query).
+#   ab7/run_sp, ab7/tests_sp       exp/select-pipelined: the selector's consumers issue block n + 1's
+#                  product before block n's max-pool and top-K (two accumulators; setmaxnreg 40 / 232),
+#                  where each warpgroup waited for its product before that work and relied on the other
+#                  warpgroup to fill the tensor core (73% of the ceiling at m3/64k). No C7514, no local
+#                  memory. If it pays ~10%, selection + forward at 32k gains ~0.1 ms (the 30x point).
 # STAGES: tests (~3 min: fv's forward / graph / workspace / KL tests, memcheck of its KV-major
 # forward tests; det4's forward and deterministic tests, memcheck of its deterministic forward test),
 # ab (~5 min: main / fv / noq at m3 64k and 32k, fm16k (m = 4), det 64k, 2 rounds), det4 (~1 min:
-# main / det4 at fm16k deterministic, 2 rounds, checked).
+# main / det4 at fm16k deterministic, 2 rounds, checked), sel (~3 min: main / sp at m3 64k, 32k, 8k
+# and fm16k, 2 rounds, checked; sp's forward / graph tests and memcheck of its selection edge cases run in
+# the tests stage).
 # If fv wins: merge it, run the full suite and a record (scripts/build_gpu_bundle.sh, carry
 # ["scratch-gpu"], gpu_check.sh tests sanitizer main python scale, then bench m3 32k / 64k).
 set -uo pipefail
@@ -44,6 +51,11 @@ if [[ " $STAGES " == *" tests "* ]]; then
   timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 ab7/tests_det4 --gtest_brief=1 \
     --gtest_filter='CudaForward.WgmmaKvDeterministic' > "$OUT/memcheck_det4.log" 2>&1
   echo "memcheck det4: exit $?"; tail -n 2 "$OUT/memcheck_det4.log"
+  timeout 150 ab7/tests_sp --gtest_brief=1 --gtest_filter='CudaForward.*:CudaGraph.*' > "$OUT/tests_sp.log" 2>&1
+  echo "sp tests: exit $?"; tail -n 3 "$OUT/tests_sp.log"
+  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 ab7/tests_sp --gtest_brief=1 \
+    --gtest_filter='CudaForward.FewerVisibleBlocksThanK:CudaForward.LocalOnlyK1:CudaForward.ThreeLocalBlocks:CudaForward.LargeK:CudaForward.GqaD64SeveralSequences' > "$OUT/memcheck_sp.log" 2>&1
+  echo "memcheck sp: exit $?"; tail -n 2 "$OUT/memcheck_sp.log"
 fi
 if [[ " $STAGES " == *" ab "* ]]; then
   export ROUNDS=${ROUNDS:-2}
@@ -54,4 +66,8 @@ fi
 if [[ " $STAGES " == *" det4 "* ]]; then
   ROUNDS=2 CONFIGS="fm16k_det:--seqlen 16384 --heads 16 --kv-heads 2 --deterministic" \
     VARIANTS="main=ab7/run_main;det4=ab7/run_det4" OUT=$OUT/det4 bash scripts/gpu_ab.sh
+fi
+if [[ " $STAGES " == *" sel "* ]]; then
+  ROUNDS=2 CONFIGS="m3_64k:--seqlen 65536;m3_32k:--seqlen 32768;m3_8k:--seqlen 8192;fm16k:--seqlen 16384 --heads 16 --kv-heads 2" \
+    VARIANTS="main=ab7/run_main;sp=ab7/run_sp" OUT=$OUT/sel bash scripts/gpu_ab.sh
 fi
