@@ -321,7 +321,7 @@ def main():
                     c[f"{phase}_tflops"] = flop / (c[f"{phase}_ms"] * 1e-3) / 1e12
                     c[f"{phase}_frac_ceiling"] = c[f"{phase}_tflops"] / ceiling
                 # The phases above are timed one by one, the GPU idle between them; at m3/64k the H200
-                # runs at its power cap, so back to back (as in training) they take ~2% longer.
+                # runs at its power cap, so back to back (as in training) they take ~1-2% longer.
                 c["step_stream_ms"] = ph.get("ms_step_stream", 0.0)
                 c["step_graph_ms"] = ph.get("ms_step_graph", 0.0)
                 c["select_forward_stream_ms"] = ph.get("ms_select_forward_stream", 0.0)

@@ -38,24 +38,19 @@ OUT=${OUT:-/tmp/flashmsa-next}
 mkdir -p "$OUT"
 STAGES=${STAGES:-tests}
 for f in ab7/*.xz; do [ -f "$f" ] && [ ! -x "${f%.xz}" ] && xz -d -k -T4 "$f" && chmod +x "${f%.xz}"; done
+# variant_tests NAME FILTER MEMCHECK_FILTER: ab7/tests_NAME's FILTER, then memcheck of MEMCHECK_FILTER.
+variant_tests() {
+  timeout 200 "ab7/tests_$1" --gtest_brief=1 --gtest_filter="$2" > "$OUT/tests_$1.log" 2>&1
+  echo "$1 tests: exit $?"; tail -n 3 "$OUT/tests_$1.log"
+  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 "ab7/tests_$1" --gtest_brief=1 \
+    --gtest_filter="$3" > "$OUT/memcheck_$1.log" 2>&1
+  echo "memcheck $1: exit $?"; tail -n 2 "$OUT/memcheck_$1.log"
+}
 if [[ " $STAGES " == *" tests "* ]]; then
-  timeout 200 ab7/tests_fv --gtest_brief=1 \
-    --gtest_filter='CudaForward.*:CudaGraph.*:CudaWorkspace.*' > "$OUT/tests_fv.log" 2>&1
-  echo "fv tests: exit $?"; tail -n 3 "$OUT/tests_fv.log"
-  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 ab7/tests_fv --gtest_brief=1 \
-    --gtest_filter='*WgmmaKv*' > "$OUT/memcheck_fv.log" 2>&1
-  echo "memcheck fv: exit $?"; tail -n 2 "$OUT/memcheck_fv.log"
-  timeout 150 ab7/tests_det4 --gtest_brief=1 \
-    --gtest_filter='CudaForward.*:CudaBackward.*Determin*:CudaGraph.*' > "$OUT/tests_det4.log" 2>&1
-  echo "det4 tests: exit $?"; tail -n 3 "$OUT/tests_det4.log"
-  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 ab7/tests_det4 --gtest_brief=1 \
-    --gtest_filter='CudaForward.WgmmaKvDeterministic' > "$OUT/memcheck_det4.log" 2>&1
-  echo "memcheck det4: exit $?"; tail -n 2 "$OUT/memcheck_det4.log"
-  timeout 150 ab7/tests_sp --gtest_brief=1 --gtest_filter='CudaForward.*:CudaGraph.*' > "$OUT/tests_sp.log" 2>&1
-  echo "sp tests: exit $?"; tail -n 3 "$OUT/tests_sp.log"
-  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 ab7/tests_sp --gtest_brief=1 \
-    --gtest_filter='CudaForward.FewerVisibleBlocksThanK:CudaForward.LocalOnlyK1:CudaForward.ThreeLocalBlocks:CudaForward.LargeK:CudaForward.GqaD64SeveralSequences' > "$OUT/memcheck_sp.log" 2>&1
-  echo "memcheck sp: exit $?"; tail -n 2 "$OUT/memcheck_sp.log"
+  variant_tests fv 'CudaForward.*:CudaGraph.*:CudaWorkspace.*' '*WgmmaKv*'
+  variant_tests det4 'CudaForward.*:CudaBackward.*Determin*:CudaGraph.*' 'CudaForward.WgmmaKvDeterministic'
+  variant_tests sp 'CudaForward.*:CudaGraph.*' \
+    'CudaForward.FewerVisibleBlocksThanK:CudaForward.LocalOnlyK1:CudaForward.ThreeLocalBlocks:CudaForward.LargeK:CudaForward.GqaD64SeveralSequences'
 fi
 if [[ " $STAGES " == *" ab "* ]]; then
   export ROUNDS=${ROUNDS:-2}

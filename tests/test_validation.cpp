@@ -679,8 +679,6 @@ TEST_F(BadInput, NdimOutOfRange) {
   }
 }
 
-}  // namespace
-
 // Gradients may not share memory with each other or with an input (the CUDA backward keeps
 // accumulators in dq's buffer while its kernels read the inputs).
 TEST_F(BadInput, OverlappingOutputs) {
@@ -701,3 +699,5 @@ TEST_F(BadInput, OverlappingOutputs) {
   grads_.dkp = flashmsa::make_view(block_idx_.data(), c_.dtype, {T_, h.Hpk, h.Dp});  // over the selection
   expect_rejected({Op::fused_bwd, Op::msa_bwd}, "'dkp' overlaps input 'block_idx'");
 }
+
+}  // namespace
