@@ -107,6 +107,9 @@ __global__ void __launch_bounds__(SelectTiles<DP>::kThreads, 1)
 
   const int wg = tid / 128;
   if (wg == 0) {
+    // The consumers hold two 64-column accumulators and the top-K lists: the producer's
+    // registers go to them (128 x 40 + 256 x 232 <= 64 K).
+    setmaxnreg_dec<40>();
     // Producer. Rows of the query tile past the sequence end are loaded (the next sequence or
     // TMA's zero fill past T) but never written out.
     if (tid == 0) {
@@ -129,6 +132,7 @@ __global__ void __launch_bounds__(SelectTiles<DP>::kThreads, 1)
     return;
   }
 
+  setmaxnreg_inc<232>();
   const int half = wg - 1;  // this warpgroup's 64 query rows
   float vals[KMAX];
   int idx[KMAX];
@@ -141,8 +145,10 @@ __global__ void __launch_bounds__(SelectTiles<DP>::kThreads, 1)
   const uint64_t k_desc0 = wgmma_desc_sw128(smem_u32(k_s));  // stage 0
   mbarrier_wait(q_full, 0);
 
-  float acc[64];
-  for (int n = 0; n < n_scored; ++n) {
+  // Blocks go in pairs: the second block's product runs on the tensor core while the first's
+  // max-pool and top-K run on the ALUs. Nothing is in flight at the loop's back edge (a product
+  // in flight across it drew ptxas's wgmma serialisation, C7514, and spills at K <= 32).
+  auto issue = [&](float (&acc)[64], int n) {
     const int s = n % kStages;
     mbarrier_wait(k_full + s, (n / kStages) & 1);
     wgmma_fence_operands(acc);
@@ -154,10 +160,11 @@ __global__ void __launch_bounds__(SelectTiles<DP>::kThreads, 1)
       wgmma_m64n128k16_bf16(acc, wgmma_desc_advance(q_desc, slab_off), wgmma_desc_advance(k_desc, slab_off), ks > 0);
     }
     wgmma_commit();
-    wgmma_wait<0>();
+  };
+  // After the wgmma_wait that covers block n's product.
+  auto pool_and_insert = [&](float (&acc)[64], int n) {
     wgmma_fence_operands(acc);
-    ::cuda::ptx::mbarrier_arrive(k_empty + s);
-
+    ::cuda::ptx::mbarrier_arrive(k_empty + n % kStages);
     float lo = -INFINITY, hi = -INFINITY;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
@@ -172,6 +179,21 @@ __global__ void __launch_bounds__(SelectTiles<DP>::kThreads, 1)
     // lose to the current K-th best once the lists fill, so the insertion is mostly skipped.
     const float v = (lane & 1) ? hi : lo;
     if (__any_sync(0xffffffffu, v > vals[KMAX - 1])) topk_insert<KMAX>(vals, idx, v, n);
+  };
+  float acc0[64], acc1[64];
+  int n = 0;
+  for (; n + 1 < n_scored; n += 2) {
+    issue(acc0, n);
+    issue(acc1, n + 1);
+    wgmma_wait<1>();
+    pool_and_insert(acc0, n);
+    wgmma_wait<0>();
+    pool_and_insert(acc1, n + 1);
+  }
+  if (n < n_scored) {
+    issue(acc0, n);
+    wgmma_wait<0>();
+    pool_and_insert(acc0, n);
   }
   for (int n = max(0, n_loc - L + 1); n <= n_loc; ++n) topk_insert<KMAX>(vals, idx, INFINITY, n);
 
