@@ -43,8 +43,10 @@ __device__ __forceinline__ void topk_insert(float (&vals)[KMAX], int (&idx)[KMAX
 // streams the query tile and key blocks with TMA into a ring of kStages buffers; warpgroups 1
 // and 2 each own 64 query rows and, per key block, compute their 64 x 128 proxy scores with
 // wgmma (both operands from shared memory, so a key block is read once per warpgroup, not once
-// per warp as with mma.sync), take the row max and push it into the per-row top-K list. The two
-// consumer warpgroups run out of phase, so one's max/top-K work overlaps the other's MMA.
+// per warp as with mma.sync), take the row max and push it into the per-row top-K list. Each
+// consumer issues two blocks' products back to back and pools the first while the second runs:
+// waiting for one product at a time and relying on the other warpgroup to keep the tensor core
+// busy measured 3.85 ms against 3.13-3.16 at m3/64k (H200; 73% -> ~89% of the matmul ceiling).
 template <int DP>
 struct SelectTiles {
   static constexpr int kSlabBytes = kBlk * 128;           // 128 rows x 64 bf16
