@@ -52,6 +52,7 @@ struct SelectTiles {
   static constexpr int kSlabBytes = kBlk * 128;           // 128 rows x 64 bf16
   static constexpr int kTileBytes = kBlk * DP * 2;        // query tile or one key block
   static constexpr int kStages = DP == 128 ? 4 : 8;
+  static_assert(kStages >= 2, "a consumer holds two stages at once (a pair of products)");
   static constexpr int kThreads = 384;
   static constexpr int kConsumerThreads = 256;
   static constexpr size_t kSmem = 1024 + (1 + kStages) * kTileBytes + (1 + 2 * kStages) * 8;
