@@ -799,7 +799,7 @@ TEST(CudaForward, WgmmaKvDeterministicFlagThreshold) {
 }
 
 // Deterministic mode on the wgmma KV-major forward (two passes: int64 row sums, then int32 o of
-// the normalised probabilities; groups of 8 or 16 heads): against the CPU backend and the fast
+// the normalised probabilities; groups of 4, 8 or 16 heads): against the CPU backend and the fast
 // (fp32) form, bitwise identical over reruns (also with small chunks and one or three streams,
 // whose order of reduce-adds differs), and FLASHMSA_DET_FWD=query (the query-major kernel) within
 // the tolerances.
@@ -864,6 +864,7 @@ TEST(CudaForward, WgmmaKvDeterministic) {
   GPUTEST_REQUIRE_DEVICE();
   check_deterministic_wgmma_forward(shape(64, 4, 4, 1, 128, 16, {1100, 37, 0, 900, 128, 700}), 155);  // m = 16
   check_deterministic_wgmma_forward(shape(32, 4, 4, 1, 128, 16, {2500, 77, 1100}), 156);                // m = 8
+  check_deterministic_wgmma_forward(shape(16, 2, 4, 1, 128, 16, {2100, 300, 900}), 158);  // m = 4, two groups per kv head
 }
 
 // One NaN in v, q or k reaches o of the fast form (every row that selects v's or k's block, the one
@@ -881,26 +882,30 @@ TEST(CudaForward, WgmmaKvDeterministicNonFiniteInput) {
     int64_t token, head, col;  // the element [token, head, col]
   };
   const Case cases[] = {{"v", &Problem::v, 128, 1, 9}, {"q", &Problem::q, 700, 5, 3}, {"k", &Problem::k, 256, 0, 77}};
-  for (const Case& c : cases) {
-    Problem pr;
-    gputest::make_problem(pr, shape(32, 2, 2, 1, 128, 8, {900, 300}), 157);  // m = 16
-    const std::vector<int32_t> sel = selection_of(pr);
-    const int64_t heads = c.tensor == &Problem::q ? pr.s.H : pr.s.Hkv;
-    (pr.*c.tensor)[(c.token * heads + c.head) * pr.s.D + c.col] = 0x7fc0;  // bf16 quiet NaN
-    pr.dq.upload(pr.q);
-    pr.dk.upload(pr.k);
-    pr.dv.upload(pr.v);
-    ScopedForwardPath path("wgmma");
-    const GpuForward fast = run_gpu_on(pr, sel, false, false);
-    const GpuForward det = run_gpu_on(pr, sel, false, true);
-    const int64_t fast_o = gputest::count_nonfinite(fast.o), det_o = gputest::count_nonfinite(det.o);
-    const int64_t fast_l = gputest::count_nonfinite(fast.lse), det_l = gputest::count_nonfinite(det.lse);
-    std::printf("  NaN in %s: non-finite o fast %lld det %lld, lse fast %lld det %lld\n", c.name,
-                static_cast<long long>(fast_o), static_cast<long long>(det_o), static_cast<long long>(fast_l),
-                static_cast<long long>(det_l));
-    ASSERT_GT(fast_o, 0) << c.name << ": the NaN did not reach the fast form's o: the test's premise fails";
-    EXPECT_EQ(det_o, fast_o) << c.name << ": deterministic o: non-finite elements differ from the fast form's";
-    EXPECT_EQ(det_l, fast_l) << c.name << ": deterministic lse: non-finite elements differ from the fast form's";
+  // m = 16 (one group per kv head) and m = 4 (two groups per kv head).
+  const Shape shapes[] = {shape(32, 2, 2, 1, 128, 8, {900, 300}), shape(16, 2, 4, 1, 128, 8, {900, 300})};
+  for (const Shape& sh : shapes) {
+    for (const Case& c : cases) {
+      Problem pr;
+      gputest::make_problem(pr, sh, 157);
+      const std::vector<int32_t> sel = selection_of(pr);
+      const int64_t heads = c.tensor == &Problem::q ? pr.s.H : pr.s.Hkv;
+      (pr.*c.tensor)[(c.token * heads + c.head) * pr.s.D + c.col] = 0x7fc0;  // bf16 quiet NaN
+      pr.dq.upload(pr.q);
+      pr.dk.upload(pr.k);
+      pr.dv.upload(pr.v);
+      ScopedForwardPath path("wgmma");
+      const GpuForward fast = run_gpu_on(pr, sel, false, false);
+      const GpuForward det = run_gpu_on(pr, sel, false, true);
+      const int64_t fast_o = gputest::count_nonfinite(fast.o), det_o = gputest::count_nonfinite(det.o);
+      const int64_t fast_l = gputest::count_nonfinite(fast.lse), det_l = gputest::count_nonfinite(det.lse);
+      std::printf("  m = %d, NaN in %s: non-finite o fast %lld det %lld, lse fast %lld det %lld\n", sh.H / sh.Hp, c.name,
+                  static_cast<long long>(fast_o), static_cast<long long>(det_o), static_cast<long long>(fast_l),
+                  static_cast<long long>(det_l));
+      ASSERT_GT(fast_o, 0) << c.name << ": the NaN did not reach the fast form's o: the test's premise fails";
+      EXPECT_EQ(det_o, fast_o) << c.name << ": deterministic o: non-finite elements differ from the fast form's";
+      EXPECT_EQ(det_l, fast_l) << c.name << ": deterministic lse: non-finite elements differ from the fast form's";
+    }
   }
 }
 

@@ -235,6 +235,7 @@ TEST(CudaGraph, TrainingStepCapturedAndReplayedFast) {
 TEST(CudaGraph, TrainingStepCapturedAndReplayedDeterministic) {
   GPUTEST_REQUIRE_DEVICE();
   check_captured_step(shape(32, 2, 2, 1, 128, 16, {1500, 0, 700}), 203, true);
+  check_captured_step(shape(16, 2, 4, 1, 128, 16, {1300, 333}), 204, true);  // m = 4: the two-pass forward
 }
 
 // ---- device workspace (flashmsa.h: workspace_memory_pool, set_workspace_allocator) ----

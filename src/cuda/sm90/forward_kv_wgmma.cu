@@ -80,7 +80,7 @@
 // decisive check.
 //
 // Fast form (Form::fast) not deterministic: the fp32 reduce-adds into acc_o / acc_l run in no
-// fixed order. Deterministic form (m = 8 or 16): two passes per (p, chunk) over the same items,
+// fixed order. Deterministic form (m = 4, 8 or 16): two passes per (p, chunk) over the same items,
 // each result in fixed point (round(x * F), F a power of two from a bound), so that the integer
 // sums commute and every run gives the same bits:
 //   Form::det_sum: S and P only (no V, no PV): each token's m row sums leave as int64 (one bulk
@@ -419,7 +419,6 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
   constexpr int kTok = kRows / M;  // tokens per tile
   static_assert(kTok <= 32, "the producer issues a tile's Q boxes one token per lane");
   static_assert(kRows % M == 0 && M % 4 == 0 && kMaxTiles * kTok <= kMaxItemTok, "group size");
-  static_assert(F == Form::fast || M % 8 == 0, "the deterministic form is built for groups of 8 or 16 heads only");
   constexpr bool kWithV = F != Form::det_sum;  // det_sum: S and row sums only
   constexpr float kRowLimit = F == Form::det_sum ? kOverflowSumDet : kOverflowSum;  // see softmax
   extern __shared__ __align__(16) unsigned char kvw_smem_raw[];
@@ -1210,8 +1209,7 @@ bool kv_wgmma_forward_applies(const MsaParams& p) {
     return false;
   const int m = p.H / p.Hp;
   if (m != 4 && m != 8 && m != 16) return false;
-  // The deterministic form: groups of 8 or 16 heads (its staging swizzle), unless forced off.
-  if (p.deterministic && (m == 4 || det_forward_forced_query())) return false;
+  if (p.deterministic && det_forward_forced_query()) return false;
   if ((p.H / p.Hkv) % m != 0) return false;  // a group lies inside one kv head
   if (static_cast<int64_t>(p.Hp) * p.T * p.top_k >= INT32_MAX) return false;
   // The plan with one stream too: run_kvw falls back to one lane where its helper streams are taken
@@ -1223,11 +1221,11 @@ bool kv_wgmma_forward_applies(const MsaParams& p) {
 void launch_kv_wgmma_forward(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
   const int m = p.H / p.Hp;
   if (p.deterministic) {
-    if (m != 8 && m != 16)
-      throw Error("flashmsa: sparse_attention_forward: internal error: the deterministic KV-major forward "
-                  "takes groups of 8 or 16 heads only");
-    if (m == 8) run_kvw<8, true>(p, overflow, stream);
-    else run_kvw<16, true>(p, overflow, stream);
+    switch (m) {
+      case 4: run_kvw<4, true>(p, overflow, stream); break;
+      case 8: run_kvw<8, true>(p, overflow, stream); break;
+      default: run_kvw<16, true>(p, overflow, stream); break;
+    }
     return;
   }
   switch (m) {

@@ -3,7 +3,7 @@
 // query-major kernel itself.
 //
 // Routing: the wgmma KV-major kernel (forward_kv_wgmma.cu: D = 128, groups of 4/8/16 heads inside
-// one kv head, top_k <= 32; in deterministic mode its int64 form, groups of 8 or 16 heads) where
+// one kv head, top_k <= 32; in deterministic mode its two-pass fixed-point form) where
 // the KL value, if asked for, can follow KV-major (kl_value.cuh); tokens it flags (its fixed
 // softmax reference overflowed, or a row had nothing to sum) are recomputed here by
 // redo_forward_kernel. Else the mma.sync KV-major kernel
@@ -665,7 +665,7 @@ void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
   if (force_wgmma && p.T > 0 && !use_wgmma)
     throw Error("flashmsa: sparse_attention_forward: FLASHMSA_FORWARD_PATH=wgmma, but the wgmma KV-major "
                 "forward does not take this problem (argument 'q': D = Dv = 128, groups of 4, 8 or 16 heads "
-                "inside one kv head, top_k <= 32; deterministic only with groups of 8 or 16)");
+                "inside one kv head, top_k <= 32)");
   // FLASHMSA_BACKWARD_PATH=wgmma (tests): an error unless the KL value, if asked for, comes from
   // the wgmma backward's KV-major kernel (launch_kl_value below).
   const bool kl_kv_required = p.kl != nullptr && p.T > 0 && backward_path_requires_wgmma();
