@@ -110,8 +110,8 @@ __global__ void __launch_bounds__(SelectTiles<DP>::kThreads, 1)
 
   const int wg = tid / 128;
   if (wg == 0) {
-    // The consumers hold two 64 x 128 fp32 score tiles (64 registers a thread each) and the top-K lists: the producer's
-    // registers go to them (128 x 40 + 256 x 232 <= 64 K).
+    // The consumers hold two 64 x 128 fp32 score tiles (64 registers a thread each) and the
+    // top-K lists: the producer's registers go to them (128 x 40 + 256 x 232 <= 64 K).
     setmaxnreg_dec<40>();
     // Producer. Rows of the query tile past the sequence end are loaded (the next sequence or
     // TMA's zero fill past T) but never written out.
