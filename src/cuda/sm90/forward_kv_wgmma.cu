@@ -193,6 +193,7 @@ static_assert(oBar % 8 == 0 && oList % 16 == 0 && oStgL64 % 16 == 0,
               "alignment of the small buffers");
 
 constexpr int kBarStg = 1;  // + consumer warpgroup index: its staging tile's two barriers
+constexpr int kBarProducer = 3;  // the producer warpgroup at each item (m = 4: cp.async Q)
 
 // S (64 rows x 128 keys) = Q tile (K-major, 8 KB slabs) x K block^T (K-major, 16 KB slabs).
 // q_desc / k_desc: wgmma_desc_sw128 of the Q tile (SBO kQGroup) and of the K tile.
@@ -406,6 +407,8 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
     const __grid_constant__ CUtensorMap q_map,  // q [T, H, 128] as head groups (make_bf16_head_group_map)
     const __grid_constant__ CUtensorMap k_map,  // k [T, Hkv, 128], box {64 cols, 1, 128 rows}
     const __grid_constant__ CUtensorMap v_map,  // v [T, Hkv, 128], box {64 cols, 1, 128 rows}
+    const bf16* __restrict__ q,                 // [T, H, 128]: the same q, read by cp.async at m = 4
+    int H,
     const int4* __restrict__ items,             // [n] {first key row (packed), e0, e1, 0}
     const int32_t* __restrict__ n_items_ptr,    // [1] items of this (p, chunk)
     int32_t* __restrict__ counter,              // [1] zero before the launch; next item to take
@@ -420,6 +423,7 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
   static_assert(kTok <= 32, "the producer issues a tile's Q boxes one token per lane");
   static_assert(kRows % M == 0 && M % 4 == 0 && kMaxTiles * kTok <= kMaxItemTok, "group size");
   constexpr bool kWithV = F != Form::det_sum;  // det_sum: S and row sums only
+  constexpr bool kCpAsyncQ = M == 4;           // Q tiles by cp.async from the producer warpgroup
   constexpr float kRowLimit = F == Form::det_sum ? kOverflowSumDet : kOverflowSum;  // see softmax
   extern __shared__ __align__(16) unsigned char kvw_smem_raw[];
   // Offset from the shared array (not an integer round trip), so the compiler keeps LDS/STS.
@@ -441,7 +445,9 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
   uint64_t* v_empty = v_full + 1;                                 // [1]
 
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kFullBars; ++s) ::cuda::ptx::mbarrier_init(full + s, 1);
+    // TMA boxes: one arrival (lane 0's, with the bytes to expect); cp.async (m = 4): one .noinc
+    // arrival per producer thread.
+    for (int s = 0; s < kFullBars; ++s) ::cuda::ptx::mbarrier_init(full + s, kCpAsyncQ ? 128 : 1);
     for (int s = 0; s < kStages; ++s) ::cuda::ptx::mbarrier_init(empty + s, 128);  // the tile's warpgroup
     ::cuda::ptx::mbarrier_init(k_full, 32);              // every producer lane (its list writes)
     ::cuda::ptx::mbarrier_init(k_empty, kConsumerThreads);
@@ -453,31 +459,70 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
 
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
-    // ------------------------------------------------------------------ producer (one warp)
+    // ------------------------------------------------------------------ producer
+    // Warp 0 takes the items, fills the token lists and loads K and V; the Q tiles come from
+    // warp 0 (TMA boxes) or, at m = 4, from the whole warpgroup (cp.async).
     setmaxnreg_dec<40>();
-    if (threadIdx.x >= 32) return;
-    const int lane = threadIdx.x;
+    if (!kCpAsyncQ && threadIdx.x >= 32) return;
+    const int lane = threadIdx.x & 31;
+    const bool lead = threadIdx.x < 32;
     const int n_items = __ldg(n_items_ptr);
-    int item = lane == 0 ? atomicAdd(counter, 1) : 0;
-    item = __shfl_sync(0xffffffffu, item, 0);
+    int item = 0;
+    if (lead) {
+      item = lane == 0 ? atomicAdd(counter, 1) : 0;
+      item = __shfl_sync(0xffffffffu, item, 0);
+    }
+    // m = 4 (a token's rows are half of an 8-row group, so TMA needs two boxes per token and its
+    // unit, which also carries the bulk reduce-adds, left the consumers waiting for Q: 42% of
+    // their stall samples at fm16k): thread pt copies the 64-column slab pt & 1 of tile row
+    // pt >> 1 (token slot row / 4, head row % 4) as eight 16-byte cp.async into the swizzled slots
+    // a box would fill, then arrives (.noinc) on the tile's full barrier, rows or not. Rows of a
+    // partial last tile are not loaded, as with the boxes.
+    auto issue_q_cp_async = [&](const int32_t* list, int ntok, int tiles_before, int i) {
+      const int tg = tiles_before + i, st = tg % kStages;
+      if (tg >= kStages) mbarrier_wait(empty + st, ((tg / kStages) - 1) & 1);
+      const int row = threadIdx.x >> 1, half = threadIdx.x & 1, slot = row >> 2;
+      if (slot < min(kTok, ntok - i * kTok)) {
+        const int64_t t = list[i * kTok + slot];
+        const uint32_t dst = smem_u32(sQ + st * kQTile + (row >> 3) * kQGroup + half * (kQGroup / 2)) +
+                             (row & 7) * 128 + ((row & 7) << 4);
+        cp_async_row_swizzled(dst, q + (t * H + head0 + (row & 3)) * kD + 64 * half, true);
+      }
+      cp_async_mbar_arrive_noinc(full + tg % kFullBars);
+    };
     int tile_g = 0;  // tiles issued so far (ring position)
     for (int it = 0;; ++it) {
       const int buf = it & 1;
-      int ntok = -1, krow = 0, e0 = 0;
-      if (item < n_items) {
-        const int4 rec = __ldg(items + item);
-        krow = rec.x;
-        e0 = rec.y;
-        ntok = rec.z - rec.y;
-      }
+      int ntok = -1, krow = 0, e0 = 0, next = 0;
       // The list of item `it` goes to buffer it & 1, whose last reader (item it - 2) released it
       // (k_empty) before the previous iteration went on: filled while the consumers still work
       // on it - 1.
       int32_t* list = sList + buf * kMaxItemTok;
-      for (int i = lane; i < ntok; i += 32) list[i] = __ldg(vals + e0 + i) / K;
-      if (lane == 0) sInfo[buf] = make_int2(krow, ntok);
-      int next = (lane == 0 && ntok >= 0) ? atomicAdd(counter, 1) : 0;
-      next = __shfl_sync(0xffffffffu, next, 0);
+      if (lead) {
+        if (item < n_items) {
+          const int4 rec = __ldg(items + item);
+          krow = rec.x;
+          e0 = rec.y;
+          ntok = rec.z - rec.y;
+        }
+        for (int i = lane; i < ntok; i += 32) list[i] = __ldg(vals + e0 + i) / K;
+        if (lane == 0) sInfo[buf] = make_int2(krow, ntok);
+        next = (lane == 0 && ntok >= 0) ? atomicAdd(counter, 1) : 0;
+        next = __shfl_sync(0xffffffffu, next, 0);
+      }
+      if constexpr (kCpAsyncQ) {
+        // The item's list and size to the other three warps. They have issued every tile of item
+        // it - 1 (from the other buffer) before they arrive here, so warp 0 refills that buffer
+        // (item it + 1) only after its last producer read.
+        bar_sync(kBarProducer, 128);
+        ntok = sInfo[buf].y;
+        if (!lead) {
+          if (ntok < 0) return;
+          for (int i = 0, ntiles = (ntok + kTok - 1) / kTok; i < ntiles; ++i) issue_q_cp_async(list, ntok, tile_g, i);
+          tile_g += (ntok + kTok - 1) / kTok;
+          continue;
+        }
+      }
       __syncwarp();  // lane 0 reads the other lanes' list entries below
       if (it > 0) mbarrier_wait(k_empty, (it - 1) & 1);  // K and list of item it - 1 are free
       if (ntok < 0) {
@@ -498,6 +543,10 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
       // lane 0's expect_tx and arrival before every box (the phase could not complete early even
       // without it: lane 0's arrival is the one the barrier waits for).
       auto issue_q = [&](int i) {
+        if constexpr (kCpAsyncQ) {
+          issue_q_cp_async(list, ntok, tile_g, i);
+          return;
+        }
         const int tg = tile_g + i, st = tg % kStages;
         uint64_t* const fb = full + tg % kFullBars;
         if (tg >= kStages) mbarrier_wait(empty + st, ((tg / kStages) - 1) & 1);
@@ -725,6 +774,11 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
   // Shape for ptxas: the two products are issued back to back with no branch between them and
   // the loop exit sits before them; a branch between PV(i) and S(i+2), or a product inside a
   // branch, makes ptxas serialise every wgmma of the kernel (C7514 / C7518).
+  // Tile tg's Q has landed. cp.async writes through the generic proxy: fenced before wgmma reads it.
+  auto wait_q = [&](int tg) {
+    mbarrier_wait(full + tg % kFullBars, (tg / kFullBars) & 1);
+    if constexpr (kCpAsyncQ) fence_proxy_async_shared();
+  };
   float s[64];
   float o[64];
   uint32_t pf[8][4];
@@ -753,7 +807,7 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
       tile_g += ntiles;
       continue;
     }
-    mbarrier_wait(full + (tile_g + i) % kFullBars, ((tile_g + i) / kFullBars) & 1);
+    wait_q(tile_g + i);
     TileRows cur = start_tile(s, list, ntok, krow, i, tile_g + i);
     float l0, l1;
     wgmma_wait<0>();
@@ -768,7 +822,7 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
       if (inext >= ntiles) break;
       // The next tile's Q (usually long loaded: the ring runs ahead) before PV(i), so that the
       // two products go out back to back.
-      mbarrier_wait(full + (tile_g + inext) % kFullBars, ((tile_g + inext) / kFullBars) & 1);
+      wait_q(tile_g + inext);
       start_pv(o, pf);
       const TileRows nxt = start_tile(s, list, ntok, krow, inext, tile_g + inext);
       wgmma_wait<1>();  // PV(i); S(i + 2) may still run
@@ -1170,7 +1224,7 @@ void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
           const int4* its = items + g * pl.items_per_group + pl.off[c];
           const int32_t* vals = ws.at<int32_t>(pl.sel.o_vals_out);
           kvw_fwd_kernel<M, kFirst><<<grid, kThreads, kSmem, L.st>>>(
-              q_map, k_map, v_map, its, n_items + slot, counters + slot, vals, L.mref, L.acc_o, L.acc_l, overflow,
+              q_map, k_map, v_map, q, p.H, its, n_items + slot, counters + slot, vals, L.mref, L.acc_o, L.acc_l, overflow,
               p.top_k, pl.c0[c], g * M, g * M / r, scale_log2, fx);
           FLASHMSA_CHECK_LAUNCH();
           if constexpr (DET) {
@@ -1179,7 +1233,7 @@ void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
                 pl.c0[c], n, g * M, p.T, L.mref, reinterpret_cast<const long long*>(L.acc_l), p.lse, overflow, fx);
             FLASHMSA_CHECK_LAUNCH();
             kvw_fwd_kernel<M, Form::det_out><<<grid, kThreads, kSmem, L.st>>>(
-                q_map, k_map, v_map, its, n_items + slot, counters + slots + slot, vals, L.mref, L.acc_o, L.acc_l,
+                q_map, k_map, v_map, q, p.H, its, n_items + slot, counters + slots + slot, vals, L.mref, L.acc_o, L.acc_l,
                 overflow, p.top_k, pl.c0[c], g * M, g * M / r, scale_log2, fx);
             FLASHMSA_CHECK_LAUNCH();
           }
