@@ -38,20 +38,25 @@
 // (block 0, the recent blocks) is spread over several CTAs instead of serialising one, and blocks
 // no token of the chunk selected cost nothing.
 //
-// Main kernel (384 threads): warpgroup 0's first warp is the producer (K and V issued by one lane,
-// a Q tile's boxes by one lane per token), the other two warpgroups are consumers that take
-// alternate 64-row tiles of an item.
+// Main kernel (384 threads): warpgroup 0 is the producer (its first warp takes the items and issues
+// K and V from one lane and, at m = 8 / 16, a Q tile's boxes by one lane per token; at m = 4 the
+// whole warpgroup copies Q), the other two warpgroups are consumers that take alternate 64-row
+// tiles of an item.
 //   producer: per item, the entries' tokens into a double-buffered shared list (loaded before the
 //     previous item is released, so its latency is hidden), then K of the block (TMA, 128 rows
 //     past T read as zeros) once every consumer is past its last S of the previous item, the
 //     item's first two Q tiles, V once every consumer is past its last PV, the other Q tiles into a
 //     kStages-stage ring, lane j issuing token j's boxes. The tile is laid out as 8 groups of 8
 //     rows, each group [2 slabs][8 rows][128 B] (wgmma SBO 2048), so that at m = 8 and 16 one 5-D
-//     box {64 columns, 8 heads, 2 slabs, m / 8 groups, 1 token} brings a token's m rows whole; at
-//     m = 4 a token is half a group and takes one box per slab. Each TMA operation costs the
-//     producer a wait for the TMA unit to accept it (it also carries the consumers' bulk
-//     reduce-adds): one lane issuing all of a tile's boxes, two boxes per token and one bulk op per
-//     token's row sums each cost 2-12% of the forward (perf-notes).
+//     box {64 columns, 8 heads, 2 slabs, m / 8 groups, 1 token} brings a token's m rows whole.
+//     Each TMA operation costs the producer a wait for the TMA unit to accept it (it also carries
+//     the consumers' bulk reduce-adds): one lane issuing all of a tile's boxes, two boxes per token
+//     and one bulk op per token's row sums each cost 2-12% of the forward (perf-notes). At m = 4 a
+//     token is half a group (two boxes per token, 32 per tile, were the consumers' main wait at
+//     fm16k), so the 128 producer threads copy the tile's rows with cp.async instead, each 64-column
+//     slab of a row into the slots the 128-byte swizzle gives it: chunk c of row r at c ^ (r & 7),
+//     every slab part of a group starting 1024-aligned (the same XOR key the boxes got from the
+//     absolute address, and the one wgmma_desc_sw128 reads with).
 //   consumer, per tile: S = Q K^T (SS, 64 x 128 x 128), the Q stage released, the causal mask only
 //     where a row's token lies in the block (the own block: the only partially visible block; it
 //     also hides keys past the sequence end), P = 2^(S scale log2e - mref), row sums (quad
@@ -68,16 +73,6 @@
 //     permutation (row & 3 = head-in-group & 3) and finprep undoes it.
 //   Rows of a partial last tile are neither loaded (stale data from an earlier tile, or never
 //   written shared memory) nor reduced: rows are independent in both products.
-//
-// Swizzle of the gathered Q rows (m = 4: a box of 4 rows lands at byte offset 512 inside an
-// 8-row, 1024-byte swizzle atom): TMA's 128-byte swizzle XORs address bits 4-6 with bits 7-9 of
-// the final shared-memory address (the same fact wgmma_desc_sw128 relies on for its +32-byte
-// k-steps; a public reverse-engineering exercise of TMA on H100 also derives the XOR key from the
-// absolute shared address). Every slab part of a group starts 1024-aligned, so a box written at
-// row r of it gets exactly the XOR of rows r .. r + m - 1 of that atom. Were the swizzle relative
-// to the box start instead, m = 8 and 16 would still be right (whole atoms) and only m = 4 with an
-// odd token slot would read wrong rows: the GPU test at m = 4 with >= 2 tokens per tile is the
-// decisive check.
 //
 // Fast form (Form::fast) not deterministic: the fp32 reduce-adds into acc_o / acc_l run in no
 // fixed order. Deterministic form (m = 4, 8 or 16): two passes per (p, chunk) over the same items,
@@ -404,7 +399,7 @@ __global__ void __launch_bounds__(256) kvw_det_mid_kernel(
 
 template <int M, Form F>
 __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
-    const __grid_constant__ CUtensorMap q_map,  // q [T, H, 128] as head groups (make_bf16_head_group_map)
+    const __grid_constant__ CUtensorMap q_map,  // q [T, H, 128] as head groups (make_bf16_head_group_map); m >= 8
     const __grid_constant__ CUtensorMap k_map,  // k [T, Hkv, 128], box {64 cols, 1, 128 rows}
     const __grid_constant__ CUtensorMap v_map,  // v [T, Hkv, 128], box {64 cols, 1, 128 rows}
     const bf16* __restrict__ q,                 // [T, H, 128]: the same q, read by cp.async at m = 4
@@ -537,7 +532,7 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
         ::cuda::ptx::mbarrier_arrive(k_full);  // release: this lane's list entries
       }
       const int ntiles = (ntok + kTok - 1) / kTok;
-      // Warp-wide: lane j issues token j's box (two at m = 4; kTok = 64 / M <= 16 tokens per tile):
+      // Warp-wide: lane j issues token j's box (m = 8 / 16: kTok = 64 / M <= 8 tokens per tile):
       // the lanes' list reads and address math run in parallel, and only the TMA instructions
       // themselves serialise (ptxas loops over the active lanes: uniform operands). The __syncwarp puts
       // lane 0's expect_tx and arrival before every box (the phase could not complete early even
@@ -558,15 +553,8 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
         if (lane < n) {
           unsigned char* tile = sQ + st * kQTile;
           const int t = list[i * kTok + lane];
-          if constexpr (M >= 8) {
-            // Token `lane`: rows lane * M .. + M - 1 = M / 8 whole groups, one box.
-            tma_load_5d(tile + lane * (M / 8) * kQGroup, &q_map, 0, 0, 0, head0 / 8, t, fb);
-          } else {
-            // m = 4: half a group per token, one box per slab (a box is dense: [slab][4 rows]).
-            unsigned char* dst = tile + (lane >> 1) * kQGroup + (lane & 1) * 4 * 128;
-            tma_load_5d(dst, &q_map, 0, 0, 0, head0 / 4, t, fb);
-            tma_load_5d(dst + kQGroup / 2, &q_map, 0, 0, 1, head0 / 4, t, fb);
-          }
+          // Token `lane`: rows lane * M .. + M - 1 = M / 8 whole groups, one box.
+          tma_load_5d(tile + lane * (M / 8) * kQGroup, &q_map, 0, 0, 0, head0 / 8, t, fb);
         }
       };
       // Each warpgroup's first tile before V: their stages are freed by S products of earlier
@@ -1123,9 +1111,8 @@ void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
   FLASHMSA_CUDA_CHECK(cudaGetDevice(&device));
   KvwPlan pl = plan_kvw(p, usable_lanes(stream, device, std::min(stream_count(), p.Hp)));
   // Everything that can fail without side effects, before the workspace exists.
-  constexpr int kR = M < 8 ? M : 8;  // heads per 8-row group of a token
-  const CUtensorMap q_map =
-      make_bf16_head_group_map(p.q, p.T, p.H, kR, M < 8 ? 1 : 2, M < 8 ? 1 : M / 8);
+  // m = 4 reads q by cp.async (the kernel takes the map but never reads it).
+  const CUtensorMap q_map = M >= 8 ? make_bf16_head_group_map(p.q, p.T, p.H, M / 8) : CUtensorMap{};
   const CUtensorMap k_map = make_bf16_row_map(p.k, p.T, p.Hkv, kD, kBlk);
   const CUtensorMap v_map = make_bf16_row_map(p.v, p.T, p.Hkv, kD, kBlk);
   constexpr Form kFirst = DET ? Form::det_sum : Form::fast;
