@@ -81,6 +81,12 @@ __device__ __forceinline__ void cp_async_row_swizzled(uint32_t dst_sw, const voi
       "l"(src), "r"(src_bytes));
 }
 
+// The calling thread's earlier cp.async copies arrive on the mbarrier `bar` when they complete
+// (the count given at init must include this arrival: .noinc).
+__device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 template <int N>

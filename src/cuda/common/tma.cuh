@@ -49,19 +49,16 @@ inline CUtensorMap make_bf16_row_map(const void* base, int64_t rows, int heads, 
   return map;
 }
 
-// The rows of q [T, H, 128] as a 5-D map {64 columns, R heads, 2 slabs, H / R head groups, T}
-// (strides 256, 128, R * 256, H * 256 bytes: the slab dimension is the inner one in memory but
-// the outer one in the box), box {64, R, box_slabs, box_groups, 1}. A box lands as [group][slab]
-// [R rows][128 B]: for R = 8 both 64-column halves of 8 rows of a token in one box, in the
-// [8-row group][slab] tile layout (wgmma SBO 2048) of the KV-major forward.
-inline CUtensorMap make_bf16_head_group_map(const void* base, int64_t rows, int heads, int R, int box_slabs,
-                                            int box_groups) {
+// The rows of q [T, H, 128] (H a multiple of 8) as a 5-D map {64 columns, 8 heads, 2 slabs, H / 8
+// head groups, T} (strides 256, 128, 2048, H * 256 bytes: the slab dimension is the inner one in
+// memory but the outer one in the box), box {64, 8, 2, box_groups, 1}. A box lands as [group]
+// [slab][8 rows][128 B]: both 64-column halves of 8 heads of a token per group, the [8-row
+// group][slab] tile layout (wgmma SBO 2048) of the KV-major forward.
+inline CUtensorMap make_bf16_head_group_map(const void* base, int64_t rows, int heads, int box_groups) {
   CUtensorMap map{};
-  const cuuint64_t dims[5] = {64, static_cast<cuuint64_t>(R), 2, static_cast<cuuint64_t>(heads / R),
-                              static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[4] = {256, 128, static_cast<cuuint64_t>(R) * 256, static_cast<cuuint64_t>(heads) * 256};
-  const cuuint32_t box[5] = {64, static_cast<cuuint32_t>(R), static_cast<cuuint32_t>(box_slabs),
-                             static_cast<cuuint32_t>(box_groups), 1};
+  const cuuint64_t dims[5] = {64, 8, 2, static_cast<cuuint64_t>(heads / 8), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[4] = {256, 128, 8 * 256, static_cast<cuuint64_t>(heads) * 256};
+  const cuuint32_t box[5] = {64, 8, 2, static_cast<cuuint32_t>(box_groups), 1};
   const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
   const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 5, const_cast<void*>(base), dims,
                                           strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,

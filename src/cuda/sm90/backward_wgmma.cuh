@@ -116,12 +116,6 @@ constexpr int kBarStageDead = 4;  // both WGs' products that read the stage's Q 
 constexpr int kBarStaged = 5;     // + cw: this WG's dQ rows are in its staging (128 threads); with
                                   // token rows: 5 both WGs' token regions, 6 + cw per-WG rows
 
-// The calling thread's earlier cp.async copies arrive on `bar` when they complete (the count
-// given at init must include this arrival: .noinc).
-__device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
-
 template <int N>
 __device__ __forceinline__ void wb_zero(float (&d)[N]) {
 #pragma unroll

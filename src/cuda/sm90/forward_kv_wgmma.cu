@@ -38,20 +38,25 @@
 // (block 0, the recent blocks) is spread over several CTAs instead of serialising one, and blocks
 // no token of the chunk selected cost nothing.
 //
-// Main kernel (384 threads): warpgroup 0's first warp is the producer (K and V issued by one lane,
-// a Q tile's boxes by one lane per token), the other two warpgroups are consumers that take
-// alternate 64-row tiles of an item.
+// Main kernel (384 threads): warpgroup 0 is the producer (its first warp takes the items and issues
+// K and V from one lane and, at m = 8 / 16, a Q tile's boxes by one lane per token; at m = 4 the
+// whole warpgroup copies Q), the other two warpgroups are consumers that take alternate 64-row
+// tiles of an item.
 //   producer: per item, the entries' tokens into a double-buffered shared list (loaded before the
 //     previous item is released, so its latency is hidden), then K of the block (TMA, 128 rows
 //     past T read as zeros) once every consumer is past its last S of the previous item, the
 //     item's first two Q tiles, V once every consumer is past its last PV, the other Q tiles into a
 //     kStages-stage ring, lane j issuing token j's boxes. The tile is laid out as 8 groups of 8
 //     rows, each group [2 slabs][8 rows][128 B] (wgmma SBO 2048), so that at m = 8 and 16 one 5-D
-//     box {64 columns, 8 heads, 2 slabs, m / 8 groups, 1 token} brings a token's m rows whole; at
-//     m = 4 a token is half a group and takes one box per slab. Each TMA operation costs the
-//     producer a wait for the TMA unit to accept it (it also carries the consumers' bulk
-//     reduce-adds): one lane issuing all of a tile's boxes, two boxes per token and one bulk op per
-//     token's row sums each cost 2-12% of the forward (perf-notes).
+//     box {64 columns, 8 heads, 2 slabs, m / 8 groups, 1 token} brings a token's m rows whole.
+//     Each TMA operation costs the producer a wait for the TMA unit to accept it (it also carries
+//     the consumers' bulk reduce-adds): one lane issuing all of a tile's boxes, two boxes per token
+//     and one bulk op per token's row sums each cost 2-12% of the forward (perf-notes). At m = 4 a
+//     token is half a group (two boxes per token, 32 per tile, were the consumers' main wait at
+//     fm16k), so the 128 producer threads copy the tile's rows with cp.async instead, each 64-column
+//     slab of a row into the slots the 128-byte swizzle gives it: chunk c of row r at c ^ (r & 7),
+//     every slab part of a group starting 1024-aligned (the same XOR key the boxes got from the
+//     absolute address, and the one wgmma_desc_sw128 reads with).
 //   consumer, per tile: S = Q K^T (SS, 64 x 128 x 128), the Q stage released, the causal mask only
 //     where a row's token lies in the block (the own block: the only partially visible block; it
 //     also hides keys past the sequence end), P = 2^(S scale log2e - mref), row sums (quad
@@ -68,16 +73,6 @@
 //     permutation (row & 3 = head-in-group & 3) and finprep undoes it.
 //   Rows of a partial last tile are neither loaded (stale data from an earlier tile, or never
 //   written shared memory) nor reduced: rows are independent in both products.
-//
-// Swizzle of the gathered Q rows (m = 4: a box of 4 rows lands at byte offset 512 inside an
-// 8-row, 1024-byte swizzle atom): TMA's 128-byte swizzle XORs address bits 4-6 with bits 7-9 of
-// the final shared-memory address (the same fact wgmma_desc_sw128 relies on for its +32-byte
-// k-steps; a public reverse-engineering exercise of TMA on H100 also derives the XOR key from the
-// absolute shared address). Every slab part of a group starts 1024-aligned, so a box written at
-// row r of it gets exactly the XOR of rows r .. r + m - 1 of that atom. Were the swizzle relative
-// to the box start instead, m = 8 and 16 would still be right (whole atoms) and only m = 4 with an
-// odd token slot would read wrong rows: the GPU test at m = 4 with >= 2 tokens per tile is the
-// decisive check.
 //
 // Fast form (Form::fast) not deterministic: the fp32 reduce-adds into acc_o / acc_l run in no
 // fixed order. Deterministic form (m = 4, 8 or 16): two passes per (p, chunk) over the same items,
@@ -193,6 +188,7 @@ static_assert(oBar % 8 == 0 && oList % 16 == 0 && oStgL64 % 16 == 0,
               "alignment of the small buffers");
 
 constexpr int kBarStg = 1;  // + consumer warpgroup index: its staging tile's two barriers
+constexpr int kBarProducer = 3;  // the producer warpgroup at each item (m = 4: cp.async Q)
 
 // S (64 rows x 128 keys) = Q tile (K-major, 8 KB slabs) x K block^T (K-major, 16 KB slabs).
 // q_desc / k_desc: wgmma_desc_sw128 of the Q tile (SBO kQGroup) and of the K tile.
@@ -403,9 +399,11 @@ __global__ void __launch_bounds__(256) kvw_det_mid_kernel(
 
 template <int M, Form F>
 __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
-    const __grid_constant__ CUtensorMap q_map,  // q [T, H, 128] as head groups (make_bf16_head_group_map)
+    const __grid_constant__ CUtensorMap q_map,  // q [T, H, 128] as head groups (make_bf16_head_group_map); m >= 8
     const __grid_constant__ CUtensorMap k_map,  // k [T, Hkv, 128], box {64 cols, 1, 128 rows}
     const __grid_constant__ CUtensorMap v_map,  // v [T, Hkv, 128], box {64 cols, 1, 128 rows}
+    const bf16* __restrict__ q,                 // [T, H, 128]: the same q, read by cp.async at m = 4
+    int H,
     const int4* __restrict__ items,             // [n] {first key row (packed), e0, e1, 0}
     const int32_t* __restrict__ n_items_ptr,    // [1] items of this (p, chunk)
     int32_t* __restrict__ counter,              // [1] zero before the launch; next item to take
@@ -420,6 +418,7 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
   static_assert(kTok <= 32, "the producer issues a tile's Q boxes one token per lane");
   static_assert(kRows % M == 0 && M % 4 == 0 && kMaxTiles * kTok <= kMaxItemTok, "group size");
   constexpr bool kWithV = F != Form::det_sum;  // det_sum: S and row sums only
+  constexpr bool kCpAsyncQ = M == 4;           // Q tiles by cp.async from the producer warpgroup
   constexpr float kRowLimit = F == Form::det_sum ? kOverflowSumDet : kOverflowSum;  // see softmax
   extern __shared__ __align__(16) unsigned char kvw_smem_raw[];
   // Offset from the shared array (not an integer round trip), so the compiler keeps LDS/STS.
@@ -441,7 +440,9 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
   uint64_t* v_empty = v_full + 1;                                 // [1]
 
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kFullBars; ++s) ::cuda::ptx::mbarrier_init(full + s, 1);
+    // TMA boxes: one arrival (lane 0's, with the bytes to expect); cp.async (m = 4): one .noinc
+    // arrival per producer thread.
+    for (int s = 0; s < kFullBars; ++s) ::cuda::ptx::mbarrier_init(full + s, kCpAsyncQ ? 128 : 1);
     for (int s = 0; s < kStages; ++s) ::cuda::ptx::mbarrier_init(empty + s, 128);  // the tile's warpgroup
     ::cuda::ptx::mbarrier_init(k_full, 32);              // every producer lane (its list writes)
     ::cuda::ptx::mbarrier_init(k_empty, kConsumerThreads);
@@ -453,31 +454,70 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
 
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
-    // ------------------------------------------------------------------ producer (one warp)
+    // ------------------------------------------------------------------ producer
+    // Warp 0 takes the items, fills the token lists and loads K and V; the Q tiles come from
+    // warp 0 (TMA boxes) or, at m = 4, from the whole warpgroup (cp.async).
     setmaxnreg_dec<40>();
-    if (threadIdx.x >= 32) return;
-    const int lane = threadIdx.x;
+    if (!kCpAsyncQ && threadIdx.x >= 32) return;
+    const int lane = threadIdx.x & 31;
+    const bool lead = threadIdx.x < 32;
     const int n_items = __ldg(n_items_ptr);
-    int item = lane == 0 ? atomicAdd(counter, 1) : 0;
-    item = __shfl_sync(0xffffffffu, item, 0);
+    int item = 0;
+    if (lead) {
+      item = lane == 0 ? atomicAdd(counter, 1) : 0;
+      item = __shfl_sync(0xffffffffu, item, 0);
+    }
+    // m = 4 (a token's rows are half of an 8-row group, so TMA needs two boxes per token and its
+    // unit, which also carries the bulk reduce-adds, left the consumers waiting for Q: 42% of
+    // their stall samples at fm16k): thread pt copies the 64-column slab pt & 1 of tile row
+    // pt >> 1 (token slot row / 4, head row % 4) as eight 16-byte cp.async into the swizzled slots
+    // a box would fill, then arrives (.noinc) on the tile's full barrier, rows or not. Rows of a
+    // partial last tile are not loaded, as with the boxes.
+    auto issue_q_cp_async = [&](const int32_t* list, int ntok, int tiles_before, int i) {
+      const int tg = tiles_before + i, st = tg % kStages;
+      if (tg >= kStages) mbarrier_wait(empty + st, ((tg / kStages) - 1) & 1);
+      const int row = threadIdx.x >> 1, half = threadIdx.x & 1, slot = row >> 2;
+      if (slot < min(kTok, ntok - i * kTok)) {
+        const int64_t t = list[i * kTok + slot];
+        const uint32_t dst = smem_u32(sQ + st * kQTile + (row >> 3) * kQGroup + half * (kQGroup / 2)) +
+                             (row & 7) * 128 + ((row & 7) << 4);
+        cp_async_row_swizzled(dst, q + (t * H + head0 + (row & 3)) * kD + 64 * half, true);
+      }
+      cp_async_mbar_arrive_noinc(full + tg % kFullBars);
+    };
     int tile_g = 0;  // tiles issued so far (ring position)
     for (int it = 0;; ++it) {
       const int buf = it & 1;
-      int ntok = -1, krow = 0, e0 = 0;
-      if (item < n_items) {
-        const int4 rec = __ldg(items + item);
-        krow = rec.x;
-        e0 = rec.y;
-        ntok = rec.z - rec.y;
-      }
+      int ntok = -1, krow = 0, e0 = 0, next = 0;
       // The list of item `it` goes to buffer it & 1, whose last reader (item it - 2) released it
       // (k_empty) before the previous iteration went on: filled while the consumers still work
       // on it - 1.
       int32_t* list = sList + buf * kMaxItemTok;
-      for (int i = lane; i < ntok; i += 32) list[i] = __ldg(vals + e0 + i) / K;
-      if (lane == 0) sInfo[buf] = make_int2(krow, ntok);
-      int next = (lane == 0 && ntok >= 0) ? atomicAdd(counter, 1) : 0;
-      next = __shfl_sync(0xffffffffu, next, 0);
+      if (lead) {
+        if (item < n_items) {
+          const int4 rec = __ldg(items + item);
+          krow = rec.x;
+          e0 = rec.y;
+          ntok = rec.z - rec.y;
+        }
+        for (int i = lane; i < ntok; i += 32) list[i] = __ldg(vals + e0 + i) / K;
+        if (lane == 0) sInfo[buf] = make_int2(krow, ntok);
+        next = (lane == 0 && ntok >= 0) ? atomicAdd(counter, 1) : 0;
+        next = __shfl_sync(0xffffffffu, next, 0);
+      }
+      if constexpr (kCpAsyncQ) {
+        // The item's list and size to the other three warps. They have issued every tile of item
+        // it - 1 (from the other buffer) before they arrive here, so warp 0 refills that buffer
+        // (item it + 1) only after its last producer read.
+        bar_sync(kBarProducer, 128);
+        ntok = sInfo[buf].y;
+        if (!lead) {
+          if (ntok < 0) return;
+          for (int i = 0, ntiles = (ntok + kTok - 1) / kTok; i < ntiles; ++i) issue_q_cp_async(list, ntok, tile_g, i);
+          tile_g += (ntok + kTok - 1) / kTok;
+          continue;
+        }
+      }
       __syncwarp();  // lane 0 reads the other lanes' list entries below
       if (it > 0) mbarrier_wait(k_empty, (it - 1) & 1);  // K and list of item it - 1 are free
       if (ntok < 0) {
@@ -492,12 +532,16 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
         ::cuda::ptx::mbarrier_arrive(k_full);  // release: this lane's list entries
       }
       const int ntiles = (ntok + kTok - 1) / kTok;
-      // Warp-wide: lane j issues token j's box (two at m = 4; kTok = 64 / M <= 16 tokens per tile):
+      // Warp-wide: lane j issues token j's box (m = 8 / 16: kTok = 64 / M <= 8 tokens per tile):
       // the lanes' list reads and address math run in parallel, and only the TMA instructions
       // themselves serialise (ptxas loops over the active lanes: uniform operands). The __syncwarp puts
       // lane 0's expect_tx and arrival before every box (the phase could not complete early even
       // without it: lane 0's arrival is the one the barrier waits for).
       auto issue_q = [&](int i) {
+        if constexpr (kCpAsyncQ) {
+          issue_q_cp_async(list, ntok, tile_g, i);
+          return;
+        }
         const int tg = tile_g + i, st = tg % kStages;
         uint64_t* const fb = full + tg % kFullBars;
         if (tg >= kStages) mbarrier_wait(empty + st, ((tg / kStages) - 1) & 1);
@@ -509,15 +553,8 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
         if (lane < n) {
           unsigned char* tile = sQ + st * kQTile;
           const int t = list[i * kTok + lane];
-          if constexpr (M >= 8) {
-            // Token `lane`: rows lane * M .. + M - 1 = M / 8 whole groups, one box.
-            tma_load_5d(tile + lane * (M / 8) * kQGroup, &q_map, 0, 0, 0, head0 / 8, t, fb);
-          } else {
-            // m = 4: half a group per token, one box per slab (a box is dense: [slab][4 rows]).
-            unsigned char* dst = tile + (lane >> 1) * kQGroup + (lane & 1) * 4 * 128;
-            tma_load_5d(dst, &q_map, 0, 0, 0, head0 / 4, t, fb);
-            tma_load_5d(dst + kQGroup / 2, &q_map, 0, 0, 1, head0 / 4, t, fb);
-          }
+          // Token `lane`: rows lane * M .. + M - 1 = M / 8 whole groups, one box.
+          tma_load_5d(tile + lane * (M / 8) * kQGroup, &q_map, 0, 0, 0, head0 / 8, t, fb);
         }
       };
       // Each warpgroup's first tile before V: their stages are freed by S products of earlier
@@ -725,6 +762,11 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
   // Shape for ptxas: the two products are issued back to back with no branch between them and
   // the loop exit sits before them; a branch between PV(i) and S(i+2), or a product inside a
   // branch, makes ptxas serialise every wgmma of the kernel (C7514 / C7518).
+  // Tile tg's Q has landed. cp.async writes through the generic proxy: fenced before wgmma reads it.
+  auto wait_q = [&](int tg) {
+    mbarrier_wait(full + tg % kFullBars, (tg / kFullBars) & 1);
+    if constexpr (kCpAsyncQ) fence_proxy_async_shared();
+  };
   float s[64];
   float o[64];
   uint32_t pf[8][4];
@@ -753,7 +795,7 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
       tile_g += ntiles;
       continue;
     }
-    mbarrier_wait(full + (tile_g + i) % kFullBars, ((tile_g + i) / kFullBars) & 1);
+    wait_q(tile_g + i);
     TileRows cur = start_tile(s, list, ntok, krow, i, tile_g + i);
     float l0, l1;
     wgmma_wait<0>();
@@ -768,7 +810,7 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
       if (inext >= ntiles) break;
       // The next tile's Q (usually long loaded: the ring runs ahead) before PV(i), so that the
       // two products go out back to back.
-      mbarrier_wait(full + (tile_g + inext) % kFullBars, ((tile_g + inext) / kFullBars) & 1);
+      wait_q(tile_g + inext);
       start_pv(o, pf);
       const TileRows nxt = start_tile(s, list, ntok, krow, inext, tile_g + inext);
       wgmma_wait<1>();  // PV(i); S(i + 2) may still run
@@ -1069,9 +1111,8 @@ void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
   FLASHMSA_CUDA_CHECK(cudaGetDevice(&device));
   KvwPlan pl = plan_kvw(p, usable_lanes(stream, device, std::min(stream_count(), p.Hp)));
   // Everything that can fail without side effects, before the workspace exists.
-  constexpr int kR = M < 8 ? M : 8;  // heads per 8-row group of a token
-  const CUtensorMap q_map =
-      make_bf16_head_group_map(p.q, p.T, p.H, kR, M < 8 ? 1 : 2, M < 8 ? 1 : M / 8);
+  // m = 4 reads q by cp.async (the kernel takes the map but never reads it).
+  const CUtensorMap q_map = M >= 8 ? make_bf16_head_group_map(p.q, p.T, p.H, M / 8) : CUtensorMap{};
   const CUtensorMap k_map = make_bf16_row_map(p.k, p.T, p.Hkv, kD, kBlk);
   const CUtensorMap v_map = make_bf16_row_map(p.v, p.T, p.Hkv, kD, kBlk);
   constexpr Form kFirst = DET ? Form::det_sum : Form::fast;
@@ -1170,7 +1211,7 @@ void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
           const int4* its = items + g * pl.items_per_group + pl.off[c];
           const int32_t* vals = ws.at<int32_t>(pl.sel.o_vals_out);
           kvw_fwd_kernel<M, kFirst><<<grid, kThreads, kSmem, L.st>>>(
-              q_map, k_map, v_map, its, n_items + slot, counters + slot, vals, L.mref, L.acc_o, L.acc_l, overflow,
+              q_map, k_map, v_map, q, p.H, its, n_items + slot, counters + slot, vals, L.mref, L.acc_o, L.acc_l, overflow,
               p.top_k, pl.c0[c], g * M, g * M / r, scale_log2, fx);
           FLASHMSA_CHECK_LAUNCH();
           if constexpr (DET) {
@@ -1179,7 +1220,7 @@ void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
                 pl.c0[c], n, g * M, p.T, L.mref, reinterpret_cast<const long long*>(L.acc_l), p.lse, overflow, fx);
             FLASHMSA_CHECK_LAUNCH();
             kvw_fwd_kernel<M, Form::det_out><<<grid, kThreads, kSmem, L.st>>>(
-                q_map, k_map, v_map, its, n_items + slot, counters + slots + slot, vals, L.mref, L.acc_o, L.acc_l,
+                q_map, k_map, v_map, q, p.H, its, n_items + slot, counters + slots + slot, vals, L.mref, L.acc_o, L.acc_l,
                 overflow, p.top_k, pl.c0[c], g * M, g * M / r, scale_log2, fx);
             FLASHMSA_CHECK_LAUNCH();
           }
