@@ -544,56 +544,67 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     float tch[32];  // the teacher sums of the tile's keys x tokens, over its m head steps
     wb_zero(tch);
     float s2[32];
-    auto kl_step = [&](float (&acc)[32], int s) {
-      const int st = s & (L::kStages - 1);
-      const TokMeta& tm = meta[st];  // its full barrier was waited for before the product
+    // A step's metadata (key limits, lse) in registers, so that its stage can go back to the
+    // producer as soon as its product is done and before the softmax: the ring then keeps its
+    // whole lead although the next product is issued before this step's softmax.
+    struct StepMeta {
+      int tpos[16];
+      float ls[16];
+    };
+    auto take_stage = [&](StepMeta& sm, int s) {
+      const TokMeta& tm = meta[s & (L::kStages - 1)];  // its full barrier was waited for before the product
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int col = 8 * j + 2 * c4;
+        const int2 tp = *reinterpret_cast<const int2*>(&tm.tpos[col]);
+        const float2 ls = *reinterpret_cast<const float2*>(&tm.lse[col]);
+        sm.tpos[2 * j] = tp.x;
+        sm.tpos[2 * j + 1] = tp.y;
+        sm.ls[2 * j] = ls.x;
+        sm.ls[2 * j + 1] = ls.y;
+      }
+      if (s < steps) ::cuda::ptx::mbarrier_arrive(empty + (s & (L::kStages - 1)));
+    };
+    auto kl_step = [&](float (&acc)[32], const StepMeta& sm, int s) {
       if (s % (m + 1) < m) {
         // Head step: the teacher sum += P^T of this head (lse: the main attention's).
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const int col = 8 * j + 2 * c4;
-          const int2 tp = *reinterpret_cast<const int2*>(&tm.tpos[col]);
-          const float2 ls = *reinterpret_cast<const float2*>(&tm.lse[col]);
-          const int tpv[2] = {tp.x, tp.y};
-          const float nl[2] = {-ls.x * kLog2e, -ls.y * kLog2e};
+        for (int j = 0; j < 8; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int key = bc.key0 + kr + 8 * (e >> 1);
-            if (key <= tpv[e & 1]) tch[4 * j + e] += fast_exp2(fmaf(acc[4 * j + e], scale2, nl[e & 1]));
+            if (key <= sm.tpos[2 * j + (e & 1)])
+              tch[4 * j + e] += fast_exp2(fmaf(acc[4 * j + e], scale2, -sm.ls[2 * j + (e & 1)] * kLog2e));
           }
-        }
       } else {
         // Proxy step: KL terms Tch (log Tch - log Qs) over the tile's visible keys (lse: the
         // student's), then the sums restart for the next tile.
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const int col = 8 * j + 2 * c4;
-          const int2 tp = *reinterpret_cast<const int2*>(&tm.tpos[col]);
-          const float2 ls = *reinterpret_cast<const float2*>(&tm.lse[col]);
-          const int tpv[2] = {tp.x, tp.y};
-          const float lsv[2] = {ls.x, ls.y};
+        for (int j = 0; j < 8; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int key = bc.key0 + kr + 8 * (e >> 1);
             const float te = tch[4 * j + e] * inv_m;
-            if (key <= tpv[e & 1] && te > 0.f) kl += te * (__logf(te) - (acc[4 * j + e] * fa.scale_p - lsv[e & 1]));
+            if (key <= sm.tpos[2 * j + (e & 1)] && te > 0.f)
+              kl += te * (__logf(te) - (acc[4 * j + e] * fa.scale_p - sm.ls[2 * j + (e & 1)]));
             tch[4 * j + e] = 0.f;
           }
-        }
       }
-      ::cuda::ptx::mbarrier_arrive(empty + st);  // the stage's Q / Qp and metadata are no longer read
     };
+    StepMeta ma, mb;
     for (int s = 0; s < steps; s += 2) {
       wgmma_wait<0>();
       wgmma_fence_operands(s1);
+      take_stage(ma, s);
       wait_full(s + 1);
       issue_into(s2, s + 1);
-      kl_step(s1, s);
+      kl_step(s1, ma, s);
       wait_full(s + 2);
       issue_into(s1, s + 2);
       wgmma_wait<1>();
       wgmma_fence_operands(s2);
-      if (s + 1 < steps) kl_step(s2, s + 1);
+      take_stage(mb, s + 1);
+      if (s + 1 < steps) kl_step(s2, mb, s + 1);
     }
   }
   for (int s = 0; !KL_ONLY && s < steps; ++s) {
