@@ -43,7 +43,7 @@ for ((r = 1; r <= ROUNDS; r++)); do
       echo "== round $r | $cname | $vname" >> "$LOG"
       # shellcheck disable=SC2086
       env "${envs[@]}" "$bin" --device cuda $args --check-tokens "$CHECK" --check-keys 0 --quiet 2>&1 |
-        grep -E "^(select_blocks|sparse forward|dense warm-up fwd|backward|training step|step \(CUDA graph\))|RESULT|rror" >> "$LOG"
+        grep -E "^(select_blocks|sparse forward|(dense )?warm-up fwd|backward|training step|step \(CUDA graph\))|RESULT|rror" >> "$LOG"
     done
   done
 done
@@ -63,7 +63,7 @@ for line in open(sys.argv[1]):
         if key[1] not in order_v: order_v.append(key[1])
         continue
     if key is None: continue
-    m = re.match(r"(select_blocks|sparse forward|dense warm-up fwd|backward \(\+KL\)|training step|step \(CUDA graph\))\s+([0-9.]+)", line)
+    m = re.match(r"(select_blocks|sparse forward(?: \+ KL)?|(?:dense )?warm-up fwd(?: \+ KL)?|backward \(\+KL\)|training step|step \(CUDA graph\))\s+([0-9.]+)", line)
     if m:
         times[key + (m.group(1),)].append(float(m.group(2)))
         if m.group(1) not in phases: phases.append(m.group(1))

@@ -270,12 +270,12 @@ __device__ __forceinline__ void ss_tokens_by_keys(float (&acc)[32], uint32_t ds_
 // value alone (launch_kl_value): per head step only S^T and the teacher sum, per proxy step only
 // the KL terms, then the block's share into kl_part; v, d_o, di, dq_acc, dk, dv and fa's dqp_acc,
 // dkp_acc are not read (kl_grad and c_base only feed a dS that is discarded; launch_kl_value
-// passes kl_grad = null). Its teacher sums stay in registers (no dK, dV there),
-// its 8-stage ring covers the gathered loads, and the next step's S^T is issued as soon as the
-// stage is released; the two consumer warpgroups have no barrier between them there, so one's
-// softmax runs under the other's product. Same loop as the full kernel, its extra work cut out
-// by `if constexpr` (the full instantiation compiles to the same PTX as before KL_ONLY existed;
-// helpers factored out of the loop did not: inlining renumbered its registers).
+// passes kl_grad = null). Its teacher sums stay in registers (no dK, dV there), its 8-stage
+// ring covers the gathered loads, and it has a loop of its own: steps in pairs on two
+// accumulators, each step's softmax under the next step's product, and no barrier between the
+// two consumer warpgroups. The full kernel's loop is not entered (`!KL_ONLY &&` in its
+// condition) and compiles to the same PTX as before the KL_ONLY loop existed (helpers factored
+// out of that loop did not: inlining renumbered its registers).
 // DET = true (deterministic mode, top_k <= 32), per-head tiles (RM = 0): the full backward without
 // dQ (dq_acc is not read; the query-major dq_kernel writes dq), dqp / dkp as int64 fixed point with
 // the factors fx[3], fx[4]. Its head step retires dV / dK, releases the stage and issues the next
@@ -495,8 +495,6 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   wb_zero(dK);
   wb_zero(dV);
   float kl = 0.f;
-  float tch[32];  // KL_ONLY: the teacher sums, in registers (no dK, dV there)
-  wb_zero(tch);
   float4* slots = sTch + ct;  // thread-private: slot j at slots[j * 256]
   float* const tch_tile = reinterpret_cast<float*>(sTch);  // RM > 0: [128 keys][64 tokens], teacher_col
   if constexpr (!KL_ONLY && RM == 0) {
@@ -518,13 +516,14 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     if (s < steps) mbarrier_wait(full + (s & (L::kStages - 1)), (s >> L::kStageLog) & 1);
     fence_proxy_async_shared();  // the stage was written by cp.async (generic proxy); wgmma reads it
   };
-  auto issue_first = [&](int s) {
+  auto issue_into = [&](float (&acc)[32], int s) {
     const int st = s & (L::kStages - 1);
     wgmma_fence();
-    ss_kmajor_64x64(s1, (s % (m + 1) < m ? k_base : kp_base) + 64 * cw * 128, kBlk,
+    ss_kmajor_64x64(acc, (s % (m + 1) < m ? k_base : kp_base) + 64 * cw * 128, kBlk,
                     smem_u32(sQ + st * L::kTokTile));
     wgmma_commit();
   };
+  auto issue_first = [&](int s) { issue_into(s1, s); };
 
   if (steps > 0) {
     mbarrier_wait(kv_full, 0);
@@ -533,7 +532,82 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     issue_first(0);
   }
 
-  for (int s = 0; s < steps; ++s) {
+  if constexpr (KL_ONLY) {
+    // The forward's KL value: per head step S^T, P^T and the teacher sum (in registers), per
+    // proxy step the KL terms; no barrier between the warpgroups. Steps go in pairs on two
+    // accumulators (s1: step s, issued before the loop or at the end of the previous iteration
+    // and retired by the wait<0>; s2: step s + 1), so each step's softmax runs under the next
+    // step's product, and a step's stage goes back to the producer as soon as its product is
+    // done (its metadata kept in registers). Measured against the single-product loop (H200, one
+    // call, perf-notes): forward + KL value -0.1 to -0.26 ms at m3/64k (24.7-24.8 ms); the pairs
+    // without the early release, or the early release without the pairs, were ~1 ms slower.
+    // Both issue sites are unconditional (stale stages past the last step, results dropped): a
+    // conditional copy got ptxas to serialise the wgmmas elsewhere in this kernel (C7515).
+    float tch[32];  // the teacher sums of the tile's keys x tokens, over its m head steps
+    wb_zero(tch);
+    float s2[32];
+    // A step's metadata (key limits, lse) in registers; its stage is released with it.
+    struct StepMeta {
+      int tpos[16];
+      float ls[16];
+    };
+    auto take_stage = [&](StepMeta& sm, int s) {
+      const TokMeta& tm = meta[s & (L::kStages - 1)];  // its full barrier was waited for before the product
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int col = 8 * j + 2 * c4;
+        const int2 tp = *reinterpret_cast<const int2*>(&tm.tpos[col]);
+        const float2 ls = *reinterpret_cast<const float2*>(&tm.lse[col]);
+        sm.tpos[2 * j] = tp.x;
+        sm.tpos[2 * j + 1] = tp.y;
+        sm.ls[2 * j] = ls.x;
+        sm.ls[2 * j + 1] = ls.y;
+      }
+      if (s < steps) ::cuda::ptx::mbarrier_arrive(empty + (s & (L::kStages - 1)));
+    };
+    auto kl_step = [&](float (&acc)[32], const StepMeta& sm, int s) {
+      if (s % (m + 1) < m) {
+        // Head step: the teacher sum += P^T of this head (lse: the main attention's).
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = bc.key0 + kr + 8 * (e >> 1);
+            if (key <= sm.tpos[2 * j + (e & 1)])
+              tch[4 * j + e] += fast_exp2(fmaf(acc[4 * j + e], scale2, -sm.ls[2 * j + (e & 1)] * kLog2e));
+          }
+      } else {
+        // Proxy step: KL terms Tch (log Tch - log Qs) over the tile's visible keys (lse: the
+        // student's), then the sums restart for the next tile.
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = bc.key0 + kr + 8 * (e >> 1);
+            const float te = tch[4 * j + e] * inv_m;
+            if (key <= sm.tpos[2 * j + (e & 1)] && te > 0.f)
+              kl += te * (__logf(te) - (acc[4 * j + e] * fa.scale_p - sm.ls[2 * j + (e & 1)]));
+            tch[4 * j + e] = 0.f;
+          }
+      }
+    };
+    StepMeta ma, mb;
+    for (int s = 0; s < steps; s += 2) {
+      wgmma_wait<0>();
+      wgmma_fence_operands(s1);
+      take_stage(ma, s);
+      wait_full(s + 1);
+      issue_into(s2, s + 1);
+      kl_step(s1, ma, s);
+      wait_full(s + 2);
+      issue_into(s1, s + 2);
+      wgmma_wait<1>();
+      wgmma_fence_operands(s2);
+      take_stage(mb, s + 1);
+      if (s + 1 < steps) kl_step(s2, mb, s + 1);
+    }
+  }
+  for (int s = 0; !KL_ONLY && s < steps; ++s) {
     const int st = s & (L::kStages - 1), hi = s % (m + 1);
     const bool head = hi < m;
     const TokMeta& tm = meta[st];  // the full barrier of stage st was waited in wait_full(s)
@@ -550,11 +624,9 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       wgmma_wait<0>();
       wgmma_fence_operands(s1);
       float dpT[32];
-      if constexpr (!KL_ONLY) {
-        wgmma_fence();
-        ss_kmajor_64x64(dpT, v_base + 64 * cw * 128, kBlk, do_st);
-        wgmma_commit();
-      }
+      wgmma_fence();
+      ss_kmajor_64x64(dpT, v_base + 64 * cw * 128, kBlk, do_st);
+      wgmma_commit();
       // P^T while dP^T is still on the tensor cores.
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -570,12 +642,9 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
         }
       }
       // Teacher sums (thread-private, no barrier), zeroed by the tile's proxy step. Shared memory,
-      // not registers: 32 more live registers here (dK, dV, P^T, dP^T in flight) spill. KL_ONLY
-      // has none of those: registers.
-      if constexpr (KL_ONLY) {
-#pragma unroll
-        for (int i = 0; i < 32; ++i) tch[i] += s1[i];
-      } else if constexpr (RM > 0) {
+      // not registers: 32 more live registers here (dK, dV, P^T, dP^T in flight) spill (KL_ONLY,
+      // which has none of those, keeps them in registers).
+      if constexpr (RM > 0) {
         // Token rows: this step's tokens' teacher sums are complete (all RM heads are columns
         // here); written once into the group's teacher tile, read by its proxy step.
         store_token_teacher<RM>(tch_tile, s1, kr, c4, hi * (kTileTok / RM));
@@ -590,55 +659,53 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
           slots[j * L::kConsumers] = a;
         }
       }
-      if constexpr (!KL_ONLY) {
-        wgmma_wait<0>();
-        wgmma_fence_operands(dpT);
+      wgmma_wait<0>();
+      wgmma_fence_operands(dpT);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float2 ax = *reinterpret_cast<const float2*>(&tm.aux[8 * j + 2 * c4]);
-          const float axv[2] = {ax.x, ax.y};
+      for (int j = 0; j < 8; ++j) {
+        const float2 ax = *reinterpret_cast<const float2*>(&tm.aux[8 * j + 2 * c4]);
+        const float axv[2] = {ax.x, ax.y};
 #pragma unroll
-          for (int e = 0; e < 4; ++e) dpT[4 * j + e] = s1[4 * j + e] * (dpT[4 * j + e] - axv[e & 1]);
-        }
-        // Packed only now: P^T and dS^T in fp32 and bf16 at once would cost 32 more registers.
-        uint32_t pa[4][4], da[4][4];
+        for (int e = 0; e < 4; ++e) dpT[4 * j + e] = s1[4 * j + e] * (dpT[4 * j + e] - axv[e & 1]);
+      }
+      // Packed only now: P^T and dS^T in fp32 and bf16 at once would cost 32 more registers.
+      uint32_t pa[4][4], da[4][4];
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          acc_to_a_frag(pa[kk], s1 + 8 * kk);
-          acc_to_a_frag(da[kk], dpT + 8 * kk);
-        }
+      for (int kk = 0; kk < 4; ++kk) {
+        acc_to_a_frag(pa[kk], s1 + 8 * kk);
+        acc_to_a_frag(da[kk], dpT + 8 * kk);
+      }
 
-        // dV_w += P^T dO, dK_w += dS^T Q (k = the tile's 64 tokens).
-        wgmma_fence();
+      // dV_w += P^T dO, dK_w += dS^T Q (k = the tile's 64 tokens).
+      wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-          wgmma_rs_bf16<128, 1>(dV, pa[kk], wgmma_desc_sw128_mn(do_st + kk * 16 * 128, L::kTokSlab), 1);
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_rs_bf16<128, 1>(dV, pa[kk], wgmma_desc_sw128_mn(do_st + kk * 16 * 128, L::kTokSlab), 1);
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-          wgmma_rs_bf16<128, 1>(dK, da[kk], wgmma_desc_sw128_mn(q_st + kk * 16 * 128, L::kTokSlab), 1);
-        wgmma_commit();
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_rs_bf16<128, 1>(dK, da[kk], wgmma_desc_sw128_mn(q_st + kk * 16 * 128, L::kTokSlab), 1);
+      wgmma_commit();
 
-        if constexpr (!DET || RM > 0) {
-          // dS^T into the shared tile for dQ, which needs all 128 keys (both WGs' halves). DsFree:
-          // each WG waited for its previous dQ / dqp product before staging its rows.
-          bar_sync(kBarDsFree, L::kConsumers);
-          store_ds_frags(sdS, da, kr, c4);
-          fence_proxy_async_shared();
-          bar_sync(kBarDsReady, L::kConsumers);
-        }
-        // dV, dK done before dQ is issued: then P^T / dS^T (their register A operands) are free
-        // while dQ and the next step's S^T are in flight (all of them at once would not fit in
-        // 240 registers). They were issued before the two barriers, so this rarely waits long.
-        // DET: here too, before the next step's S^T (dV / dK kept in flight under it instead,
-        // retired in the loop's tail, made ptxas serialise the wgmmas: C7515).
-        wgmma_wait<0>();
-        wgmma_fence_operands(dK);
-        wgmma_fence_operands(dV);
+      if constexpr (!DET || RM > 0) {
+        // dS^T into the shared tile for dQ, which needs all 128 keys (both WGs' halves). DsFree:
+        // each WG waited for its previous dQ / dqp product before staging its rows.
+        bar_sync(kBarDsFree, L::kConsumers);
+        store_ds_frags(sdS, da, kr, c4);
+        fence_proxy_async_shared();
+        bar_sync(kBarDsReady, L::kConsumers);
+      }
+      // dV, dK done before dQ is issued: then P^T / dS^T (their register A operands) are free
+      // while dQ and the next step's S^T are in flight (all of them at once would not fit in
+      // 240 registers). They were issued before the two barriers, so this rarely waits long.
+      // DET: here too, before the next step's S^T (dV / dK kept in flight under it instead,
+      // retired in the loop's tail, made ptxas serialise the wgmmas: C7515).
+      wgmma_wait<0>();
+      wgmma_fence_operands(dK);
+      wgmma_fence_operands(dV);
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          wgmma_fence_operands(pa[kk]);
-          wgmma_fence_operands(da[kk]);
-        }
+      for (int kk = 0; kk < 4; ++kk) {
+        wgmma_fence_operands(pa[kk]);
+        wgmma_fence_operands(da[kk]);
       }
     } else {
       // ---------------------------------------------------------- proxy step (Qp in the Q slot)
@@ -657,11 +724,8 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
           const float2 b = *reinterpret_cast<const float2*>(tch_tile + (kr + 8) * 64 + teacher_col(kr + 8, col));
           t4 = make_float4(a.x, a.y, b.x, b.y);
         } else {
-          t4 = KL_ONLY ? make_float4(tch[4 * j], tch[4 * j + 1], tch[4 * j + 2], tch[4 * j + 3])
-                       : slots[j * L::kConsumers];
-          // The next tile starts from zero.
-          if constexpr (KL_ONLY) tch[4 * j] = tch[4 * j + 1] = tch[4 * j + 2] = tch[4 * j + 3] = 0.f;
-          else slots[j * L::kConsumers] = make_float4(0.f, 0.f, 0.f, 0.f);
+          t4 = slots[j * L::kConsumers];
+          slots[j * L::kConsumers] = make_float4(0.f, 0.f, 0.f, 0.f);  // the next tile starts from zero
         }
         const float tsum[4] = {t4.x, t4.y, t4.z, t4.w};
 #pragma unroll
@@ -677,67 +741,59 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
           s1[4 * j + e] = ds;
         }
       }
-      if constexpr (!KL_ONLY) {
-        uint32_t da[4][4];
+      uint32_t da[4][4];
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) acc_to_a_frag(da[kk], s1 + 8 * kk);
+      for (int kk = 0; kk < 4; ++kk) acc_to_a_frag(da[kk], s1 + 8 * kk);
 
-        // dkp share of this tile, rows = this WG's keys, in two 64-column halves (32 registers each).
-        const int key_lo = bc.key0 + kr;
-        const int64_t kat_lo = ((bc.seq_start + key_lo) * fa.Hpk + pk) * D + 2 * c4;
-        const int64_t kat_hi = kat_lo + static_cast<int64_t>(8) * fa.Hpk * D;
-        const float fx_kp = DET ? __ldg(fx + 4) : 0.f;
+      // dkp share of this tile, rows = this WG's keys, in two 64-column halves (32 registers each).
+      const int key_lo = bc.key0 + kr;
+      const int64_t kat_lo = ((bc.seq_start + key_lo) * fa.Hpk + pk) * D + 2 * c4;
+      const int64_t kat_hi = kat_lo + static_cast<int64_t>(8) * fa.Hpk * D;
+      const float fx_kp = DET ? __ldg(fx + 4) : 0.f;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          float acc[32];
-          wgmma_fence();
+      for (int half = 0; half < 2; ++half) {
+        float acc[32];
+        wgmma_fence();
 #pragma unroll
-          for (int kk = 0; kk < 4; ++kk)
-            wgmma_rs_bf16<64, 1>(acc, da[kk],
-                                    wgmma_desc_sw128_mn(q_st + half * L::kTokSlab + kk * 16 * 128, L::kTokSlab),
-                                    kk > 0);
-          wgmma_commit();
-          wgmma_wait<0>();
-          wgmma_fence_operands(acc);
-          if constexpr (DET) {
+        for (int kk = 0; kk < 4; ++kk)
+          wgmma_rs_bf16<64, 1>(acc, da[kk],
+                                  wgmma_desc_sw128_mn(q_st + half * L::kTokSlab + kk * 16 * 128, L::kTokSlab),
+                                  kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operands(acc);
+        if constexpr (DET) {
 #pragma unroll
-            for (int j = 0; j < 8; ++j)
-              wb_fx_tile(fa.dkp_acc, kat_lo + 64 * half + 8 * j, kat_hi + 64 * half + 8 * j, key_lo < bc.seq_len,
-                         key_lo + 8 < bc.seq_len, acc[4 * j] * fa.scale_p, acc[4 * j + 1] * fa.scale_p,
-                         acc[4 * j + 2] * fa.scale_p, acc[4 * j + 3] * fa.scale_p, fx_kp);
-          } else {
+          for (int j = 0; j < 8; ++j)
+            wb_fx_tile(fa.dkp_acc, kat_lo + 64 * half + 8 * j, kat_hi + 64 * half + 8 * j, key_lo < bc.seq_len,
+                       key_lo + 8 < bc.seq_len, acc[4 * j] * fa.scale_p, acc[4 * j + 1] * fa.scale_p,
+                       acc[4 * j + 2] * fa.scale_p, acc[4 * j + 3] * fa.scale_p, fx_kp);
+        } else {
 #pragma unroll
-            for (int j = 0; j < 8; ++j)
-              wb_red_tile(static_cast<float*>(fa.dkp_acc), kat_lo + 64 * half + 8 * j, kat_hi + 64 * half + 8 * j,
-                          key_lo < bc.seq_len, key_lo + 8 < bc.seq_len, acc[4 * j] * fa.scale_p,
-                          acc[4 * j + 1] * fa.scale_p, acc[4 * j + 2] * fa.scale_p, acc[4 * j + 3] * fa.scale_p,
-                          c4);
-          }
+          for (int j = 0; j < 8; ++j)
+            wb_red_tile(static_cast<float*>(fa.dkp_acc), kat_lo + 64 * half + 8 * j, kat_hi + 64 * half + 8 * j,
+                        key_lo < bc.seq_len, key_lo + 8 < bc.seq_len, acc[4 * j] * fa.scale_p,
+                        acc[4 * j + 1] * fa.scale_p, acc[4 * j + 2] * fa.scale_p, acc[4 * j + 3] * fa.scale_p,
+                        c4);
         }
+      }
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wgmma_fence_operands(da[kk]);  // A operand of the dkp products
+      for (int kk = 0; kk < 4; ++kk) wgmma_fence_operands(da[kk]);  // A operand of the dkp products
 
-        // dqp = dS_p Kp through the shared dS tile, as dQ (below).
-        bar_sync(kBarDsFree, L::kConsumers);
-        store_ds_frags(sdS, da, kr, c4);
-        fence_proxy_async_shared();
-        bar_sync(kBarDsReady, L::kConsumers);
-        if constexpr (DET && RM == 0) {  // token rows stage dqp instead
-          t_lo = tm.tok[trow];
-          t_hi = tm.tok[trow + 8];
-        }
+      // dqp = dS_p Kp through the shared dS tile, as dQ (below).
+      bar_sync(kBarDsFree, L::kConsumers);
+      store_ds_frags(sdS, da, kr, c4);
+      fence_proxy_async_shared();
+      bar_sync(kBarDsReady, L::kConsumers);
+      if constexpr (DET && RM == 0) {  // token rows stage dqp instead
+        t_lo = tm.tok[trow];
+        t_hi = tm.tok[trow + 8];
       }
     }
     // The stage (Q / Qp, dO, metadata) is no longer read: dQ / dqp read the dS tile and K / Kp.
     // The fast full kernel releases it later: its dQ / dqp rows are staged in it.
-    if constexpr (KL_ONLY || (DET && RM == 0)) ::cuda::ptx::mbarrier_arrive(empty + st);
+    if constexpr (DET && RM == 0) ::cuda::ptx::mbarrier_arrive(empty + st);
 
-    if constexpr (KL_ONLY) {
-      // No dQ / dqp: the next step's first product at once.
-      wait_full(s + 1);
-      issue_first(s + 1);
-      continue;
-    }
     // dQ[:, 64cw..] = dS K (head step) or dqp[:, 64cw..] = dS_p Kp (proxy step), then the next
     // step's first product, then the atomics under it.
     // DET, per-head tiles: dqp at proxy steps only, and its fixed-point atomics run BEFORE the
