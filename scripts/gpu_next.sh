@@ -6,6 +6,8 @@
 #   ab11/run_kp, ab11/tests_kp  exp/kl-pairs: the forward's KL value (attn_bwd_wgmma_kernel<KL_ONLY>) in a loop
 #                               of its own, steps in pairs on two accumulators (each step's softmax under the
 #                               next step's product); every other kernel's PTX unchanged.
+# Both stages ran in the twenty-third session (kp slower; its successor kp2 landed, d7769f6; perf-notes); kept as
+# the template for the next variant A/B.
 # STAGES: tests (kp's forward / warm-up / KL / graph tests, memcheck of the KL-value tests), ab (main / kp with
 # the forward's KL value, as the PyTorch op runs it: m3 64k / 32k, fm16k, the m3 16k warm-up; 2 rounds, checked).
 set -uo pipefail
