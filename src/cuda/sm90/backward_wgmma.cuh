@@ -25,8 +25,8 @@
 //     two 64-column halves -> atomics), dqp = dS_p Kp via the shared dS tile -> staged as dQ.
 //     Software pipelined by one product: step s+1's S^T (or S_p^T) is issued right behind step
 //     s's dQ (dqp) and runs under step s's staging; the stage is released (empty) once the bulk
-//     reduce-adds have read the staged rows (KL_ONLY and the per-head DET form, which stage
-//     nothing: as soon as dV/dK (dkp) are done).
+//     reduce-adds have read the staged rows (the per-head DET form, which stages nothing: as soon
+//     as dV/dK (dkp) are done; KL_ONLY: as soon as the step's one product is done).
 //   End: dK (times scale), dV to bf16 in dk/dv (SHARED_KV: added into dk_acc / dv_acc with 16-byte
 //   fp32 REDs, or int64 fixed-point ones with DET); the block's KL share into kl_part in a fixed order.
 // KL_ONLY (the forward's KL value, launch_kl_value in fused_backward.cu): only S^T, P^T, the
