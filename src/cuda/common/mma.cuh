@@ -60,25 +60,36 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
                "r"(src_bytes));
 }
 
-// One 128-byte row slab in eight 16-byte copies: chunk c of src to the swizzled slot dst_sw ^ (c << 4)
-// (dst_sw: a 128-byte aligned row address plus its swizzle, (row & 7) << 4). One asm block so that
-// the sources stay one register pair with immediate offsets (the compiler otherwise rebuilt each
-// 64-bit address, ~3 instructions per copy). valid = false zero-fills the slab.
-__device__ __forceinline__ void cp_async_row_swizzled(uint32_t dst_sw, const void* src, bool valid) {
+// A 256-byte row (two 64-column slabs, kSlabBytes apart in shared memory) copied by a PAIR of
+// threads, thread `sub` (0 or 1) taking the 16-byte chunks c = 2i + sub, i = 0..7: the two threads
+// of a pair read the two halves of each 32-byte sector in the same instruction, one L2 request per
+// sector. (One thread per 128-byte slab put every lane of an instruction in its own sector, half
+// of it used: ncu of the forward's KL-value kernel, which gathers its rows this way, read L2 tag
+// requests at 76% of peak and sectors at 27%, with half the requested sectors "excessive".)
+// Chunk c goes to the swizzled slot (c & 7) ^ (row & 7) of slab c >> 3. dst_sw: the row's
+// 128-byte aligned address in slab 0 plus its swizzle, (row & 7) << 4, xor sub << 4 (the thread's
+// first chunk); src: the thread's first chunk, the row's element 8 sub. One asm block, so the
+// source stays one register pair with immediate offsets and the second slab's address is formed
+// inside it (the 40-register producers spilled otherwise).
+// valid = false zero-fills the thread's chunks.
+template <int kSlabBytes>
+__device__ __forceinline__ void cp_async_row_pair_swizzled(uint32_t dst_sw, const void* src, bool valid) {
   const int src_bytes = valid ? 16 : 0;
+  uint32_t dst = dst_sw;  // moved to the second slab inside the block
   asm volatile(
       "{\n"
       ".reg .b32 d;\n"
       "cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-      "xor.b32 d, %0, 16;\n  cp.async.cg.shared.global [d], [%1+16], 16, %2;\n"
       "xor.b32 d, %0, 32;\n  cp.async.cg.shared.global [d], [%1+32], 16, %2;\n"
-      "xor.b32 d, %0, 48;\n  cp.async.cg.shared.global [d], [%1+48], 16, %2;\n"
       "xor.b32 d, %0, 64;\n  cp.async.cg.shared.global [d], [%1+64], 16, %2;\n"
-      "xor.b32 d, %0, 80;\n  cp.async.cg.shared.global [d], [%1+80], 16, %2;\n"
       "xor.b32 d, %0, 96;\n  cp.async.cg.shared.global [d], [%1+96], 16, %2;\n"
-      "xor.b32 d, %0, 112;\n cp.async.cg.shared.global [d], [%1+112], 16, %2;\n"
-      "}\n" ::"r"(dst_sw),
-      "l"(src), "r"(src_bytes));
+      "add.u32 %0, %0, %3;\n cp.async.cg.shared.global [%0], [%1+128], 16, %2;\n"
+      "xor.b32 d, %0, 32;\n  cp.async.cg.shared.global [d], [%1+160], 16, %2;\n"
+      "xor.b32 d, %0, 64;\n  cp.async.cg.shared.global [d], [%1+192], 16, %2;\n"
+      "xor.b32 d, %0, 96;\n  cp.async.cg.shared.global [d], [%1+224], 16, %2;\n"
+      "}\n"
+      : "+r"(dst)
+      : "l"(src), "r"(src_bytes), "n"(kSlabBytes));
 }
 
 // The calling thread's earlier cp.async copies arrive on the mbarrier `bar` when they complete

@@ -386,12 +386,12 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     }
     cp_async_mbar_arrive_noinc(kv_full);
 
-    // Two threads per token row: thread `half` copies the row's 64-column slab `half` (8 chunks).
-    // Kept lean: the producer runs on 24 registers (setmaxnreg), so the tile and head are
-    // counted rather than divided out, and the token index is read once per tile (token rows:
-    // once per step, each step has other tokens).
-    const int row = pt >> 1, half = pt & 1, sw = row & 7;
-    const uint32_t q_dst = smem_u32(sQ) + half * L::kTokSlab + row * 128;  // + stage + chunk
+    // Two threads per token row: thread `sub` copies chunk sub of each of its 32-byte sectors
+    // (cp_async_row_pair_swizzled, both slabs). Kept lean: the producer runs on 24 registers
+    // (setmaxnreg), so the tile and head are counted rather than divided out, and the token index
+    // is read once per tile (token rows: once per step, each step has other tokens).
+    const int row = pt >> 1, sub = pt & 1, sw = row & 7;
+    const uint32_t q_dst = smem_u32(sQ) + row * 128;  // + stage + slab + chunk
     const uint32_t o_dst = q_dst + (L::odO - L::oQ);
     int t = -1, i0 = bc.begin, hi = 0;
     // Token rows: head step hi holds tokens i0 + hi * 64/RM + (row / RM), all RM heads each; the
@@ -422,7 +422,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     const int h_row = p * m + row % kR;  // RM > 0: this row's head at every head step
     auto source_offset = [&](int t_, int hi_) {
       const int64_t tt_ = t_ >= 0 ? t_ : 0;
-      return (hi_ < m ? tt_ * H + h_row : tt_ * Hp + p) * D + 64 * half;
+      return (hi_ < m ? tt_ * H + h_row : tt_ * Hp + p) * D + 8 * sub;
     };
     int64_t at_next = RM > 0 ? source_offset(t_next, 0) : 0;
     for (int s = 0; s < steps; ++s) {
@@ -439,25 +439,26 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       TokMeta& tm = meta[st];
       const uint32_t qs = q_dst + st * L::kTokTile;
       // qs is 128-byte aligned (the stages and slabs are multiples of 128 from the 1024-aligned
-      // base), so chunk c's swizzled slot qs + ((c ^ sw) << 4) is qs_sw ^ (c << 4), and dO's row
-      // lies a multiple of 128 bytes away (the same XOR holds there).
-      const uint32_t qs_sw = qs + (sw << 4);
+      // base), so chunk c's swizzled slot qs + ((c ^ sw) << 4) is (qs + (sw << 4)) ^ (c << 4), and
+      // dO's row lies a multiple of 128 bytes away (the same XOR holds there). qs_sw: the slot of
+      // this thread's first chunk, sub.
+      const uint32_t qs_sw = qs + ((sw ^ sub) << 4);
       if (hi < m) {
         const int h = p * m + (RM > 0 ? row % kR : hi);
-        const int64_t at = RM > 0 ? at_next : (tt * H + h) * D + 64 * half;
-        cp_async_row_swizzled(qs_sw, q + at, ok);
-        if constexpr (!KL_ONLY) cp_async_row_swizzled(qs_sw + (o_dst - q_dst), d_o + at, ok);
-        if (half == 0) cp_async_4(smem_u32(&tm.lse[row]), lse + static_cast<int64_t>(h) * ix.T + tt, ok);
+        const int64_t at = RM > 0 ? at_next : (tt * H + h) * D + 8 * sub;
+        cp_async_row_pair_swizzled<L::kTokSlab>(qs_sw, q + at, ok);
+        if constexpr (!KL_ONLY) cp_async_row_pair_swizzled<L::kTokSlab>(qs_sw + (o_dst - q_dst), d_o + at, ok);
+        if (sub == 0) cp_async_4(smem_u32(&tm.lse[row]), lse + static_cast<int64_t>(h) * ix.T + tt, ok);
         else if constexpr (!KL_ONLY) cp_async_4(smem_u32(&tm.aux[row]), di + tt * H + h, ok);
         if constexpr (DET && RM > 0) {
-          if (half == 1) cp_async_4(smem_u32(row_fx_s + st * kTileTok + row), fa.row_fx + tt * H + h, ok);
+          if (sub == 1) cp_async_4(smem_u32(row_fx_s + st * kTileTok + row), fa.row_fx + tt * H + h, ok);
         }
       } else {
-        const int64_t at = RM > 0 ? at_next : (tt * Hp + p) * D + 64 * half;
-        cp_async_row_swizzled(qs_sw, fa.qp + at, ok);
-        if (half == 0) cp_async_4(smem_u32(&tm.lse[row]), fa.lse_s + static_cast<int64_t>(p) * ix.T + tt, ok);
+        const int64_t at = RM > 0 ? at_next : (tt * Hp + p) * D + 8 * sub;
+        cp_async_row_pair_swizzled<L::kTokSlab>(qs_sw, fa.qp + at, ok);
+        if (sub == 0) cp_async_4(smem_u32(&tm.lse[row]), fa.lse_s + static_cast<int64_t>(p) * ix.T + tt, ok);
       }
-      if (half == 0) {
+      if (sub == 0) {
         tm.tok[row] = t;
         tm.tpos[row] = ok ? static_cast<int>(t - bc.seq_start) : -1;
       }

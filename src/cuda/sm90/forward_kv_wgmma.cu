@@ -469,19 +469,19 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
     }
     // m = 4 (a token's rows are half of an 8-row group, so TMA needs two boxes per token and its
     // unit, which also carries the bulk reduce-adds, left the consumers waiting for Q: 42% of
-    // their stall samples at fm16k): thread pt copies the 64-column slab pt & 1 of tile row
-    // pt >> 1 (token slot row / 4, head row % 4) as eight 16-byte cp.async into the swizzled slots
-    // a box would fill, then arrives (.noinc) on the tile's full barrier, rows or not. Rows of a
-    // partial last tile are not loaded, as with the boxes.
+    // their stall samples at fm16k): threads 2 row and 2 row + 1 copy tile row `row` (token slot
+    // row / 4, head row % 4), a 16-byte chunk of each 32-byte sector each, into the swizzled slots
+    // a box would fill (cp_async_row_pair_swizzled), then arrive (.noinc) on the tile's full
+    // barrier, rows or not. Rows of a partial last tile are not loaded, as with the boxes.
     auto issue_q_cp_async = [&](const int32_t* list, int ntok, int tiles_before, int i) {
       const int tg = tiles_before + i, st = tg % kStages;
       if (tg >= kStages) mbarrier_wait(empty + st, ((tg / kStages) - 1) & 1);
-      const int row = threadIdx.x >> 1, half = threadIdx.x & 1, slot = row >> 2;
+      const int row = threadIdx.x >> 1, sub = threadIdx.x & 1, slot = row >> 2;
       if (slot < min(kTok, ntok - i * kTok)) {
         const int64_t t = list[i * kTok + slot];
-        const uint32_t dst = smem_u32(sQ + st * kQTile + (row >> 3) * kQGroup + half * (kQGroup / 2)) +
-                             (row & 7) * 128 + ((row & 7) << 4);
-        cp_async_row_swizzled(dst, q + (t * H + head0 + (row & 3)) * kD + 64 * half, true);
+        const uint32_t dst =
+            smem_u32(sQ + st * kQTile + (row >> 3) * kQGroup) + (row & 7) * 128 + (((row & 7) ^ sub) << 4);
+        cp_async_row_pair_swizzled<kQGroup / 2>(dst, q + (t * H + head0 + (row & 3)) * kD + 8 * sub, true);
       }
       cp_async_mbar_arrive_noinc(full + tg % kFullBars);
     };
