@@ -93,6 +93,28 @@ __device__ __forceinline__ void cp_async_row_pair_swizzled(uint32_t dst_sw, cons
       : "l"(src), "r"(src_bytes), "n"(kSlabBytes));
 }
 
+// The same row copied by a QUAD of threads, thread i (0..3) taking the chunks c = 4n + i, n = 0..3:
+// the quad reads 64 contiguous bytes (two sectors of one 128-byte line) per instruction, so a warp
+// instruction covers 8 rows x 64 bytes, half the lines of the pairs' 16 rows x 32 bytes. dst_sw: the
+// row's 128-byte aligned address in slab 0 | ((i ^ (row & 7)) << 4); chunk 4 + i's slot is chunk
+// i's XOR 4 (address ^ 64), and slab 1 lies kSlabBytes on. src: the thread's first chunk, the row's
+// element 8 i. valid = false zero-fills the thread's chunks.
+template <int kSlabBytes>
+__device__ __forceinline__ void cp_async_row_quarter_swizzled(uint32_t dst_sw, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  uint32_t dst = dst_sw;  // moved to the second slab inside the block
+  asm volatile(
+      "{\n"
+      ".reg .b32 d;\n"
+      "cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+      "xor.b32 d, %0, 64;\n  cp.async.cg.shared.global [d], [%1+64], 16, %2;\n"
+      "add.u32 %0, %0, %3;\n cp.async.cg.shared.global [%0], [%1+128], 16, %2;\n"
+      "xor.b32 d, %0, 64;\n  cp.async.cg.shared.global [d], [%1+192], 16, %2;\n"
+      "}\n"
+      : "+r"(dst)
+      : "l"(src), "r"(src_bytes), "n"(kSlabBytes));
+}
+
 // The calling thread's earlier cp.async copies arrive on the mbarrier `bar` when they complete
 // (the count given at init must include this arrival: .noinc).
 __device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint64_t* bar) {

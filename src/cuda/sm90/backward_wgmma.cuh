@@ -386,13 +386,17 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     }
     cp_async_mbar_arrive_noinc(kv_full);
 
-    // Two threads per token row: thread `sub` copies chunk sub of each of its 32-byte sectors
-    // (cp_async_row_pair_swizzled, both slabs). Kept lean: the producer runs on 24 registers
-    // (setmaxnreg), so the tile and head are counted rather than divided out, and the token index
-    // is read once per tile (token rows: once per step, each step has other tokens).
-    const int row = pt >> 1, sub = pt & 1, sw = row & 7;
-    const uint32_t q_dst = smem_u32(sQ) + row * 128;  // + stage + slab + chunk
-    const uint32_t o_dst = q_dst + (L::odO - L::oQ);
+    // Each token row has an OWNER pair of threads, row = pt / 2 (its token, lse / aux / tok / tpos),
+    // and is COPIED by a quad: lane 4 qd + qi of warp w copies chunks 4 n + qi of rows
+    // ra = 16 w + qd and ra + 8 (cp_async_row_quarter_swizzled, both slabs), whose tokens come from
+    // their owners, lanes 2 qd and 2 qd + 16, by shuffles. Kept lean: the producer runs on 24
+    // registers (setmaxnreg), so the tile and head are counted rather than divided out, and the
+    // token index is read once per tile (token rows: once per step, each step has other tokens).
+    const int row = pt >> 1, sub = pt & 1;
+    const int qd = (pt & 31) >> 2, qi = pt & 3;
+    const int ra = (pt >> 5) * 16 + qd;  // and ra + 8: both rows have swizzle key qd
+    const uint32_t q_dst = smem_u32(sQ) + ra * 128 + ((qd ^ qi) << 4);  // + stage (+ 1024: row ra + 8)
+    constexpr uint32_t kDoOff = L::odO - L::oQ;                        // dO's rows, a multiple of 128 on
     int t = -1, i0 = bc.begin, hi = 0;
     // Token rows: head step hi holds tokens i0 + hi * 64/RM + (row / RM), all RM heads each; the
     // group's proxy step its 64 tokens, one per row. Each step has other tokens, so the next
@@ -415,47 +419,55 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       return li < bc.end ? list_token(li) : -1;
     };
     int t_next = RM > 0 ? token_of_step(0, i0) : -1;
-    // Token rows: the next step's source offset is formed from its token before the wait for the
-    // stage, so that little more than the copies follow the wait (the consumers wait on this
-    // chain; ptxas still scales it and forms the pointers and slots after the wait, ~10
-    // instructions).
-    const int h_row = p * m + row % kR;  // RM > 0: this row's head at every head step
-    auto source_offset = [&](int t_, int hi_) {
-      const int64_t tt_ = t_ >= 0 ? t_ : 0;
-      return (hi_ < m ? tt_ * H + h_row : tt_ * Hp + p) * D + 8 * sub;
+    // Token rows: the copy rows' tokens are shuffled from their owners before the wait for the
+    // next stage, so that little more than the address math and the copies follow the wait (the
+    // consumers wait on this chain).
+    auto quad_tokens = [&](int t_, int& ta_, int& tb_) {
+      ta_ = __shfl_sync(0xffffffffu, t_, 2 * qd);
+      tb_ = __shfl_sync(0xffffffffu, t_, 2 * qd + 16);
     };
-    int64_t at_next = RM > 0 ? source_offset(t_next, 0) : 0;
+    // Element offset of copy row r's (token t_) first chunk at step hi_ (RM > 0: head p m + r % RM).
+    auto quad_offset = [&](int t_, int hi_, int r) {
+      const int64_t tt_ = t_ >= 0 ? t_ : 0;
+      return (hi_ < m ? tt_ * H + p * m + (RM > 0 ? r % kR : hi_) : tt_ * Hp + p) * D + 8 * qi;
+    };
+    int ta = -1, tb = -1;
+    if constexpr (RM > 0) quad_tokens(t_next, ta, tb);
     for (int s = 0; s < steps; ++s) {
       const int st = s & (L::kStages - 1);
       if (s >= L::kStages) mbarrier_wait(empty + st, ((s >> L::kStageLog) - 1) & 1);
       if constexpr (RM > 0) {
         t = t_next;
       } else {
-        if (hi == 0)
+        if (hi == 0) {
           t = row < min(kTileTok, bc.end - i0) ? list_token(i0 + row) : -1;
+          quad_tokens(t, ta, tb);
+        }
       }
       const bool ok = t >= 0;
       const int64_t tt = ok ? t : 0;
       TokMeta& tm = meta[st];
+      // The stages and slabs are multiples of 128 bytes from the 1024-aligned base, so the swizzled
+      // slots of the thread's chunks follow from its first by XORs (cp_async_row_quarter_swizzled),
+      // and dO's rows lie kDoOff on (the same XORs hold there).
       const uint32_t qs = q_dst + st * L::kTokTile;
-      // qs is 128-byte aligned (the stages and slabs are multiples of 128 from the 1024-aligned
-      // base), so chunk c's swizzled slot qs + ((c ^ sw) << 4) is (qs + (sw << 4)) ^ (c << 4), and
-      // dO's row lies a multiple of 128 bytes away (the same XOR holds there). qs_sw: the slot of
-      // this thread's first chunk, sub.
-      const uint32_t qs_sw = qs + ((sw ^ sub) << 4);
+      const int64_t at_a = quad_offset(ta, hi, ra), at_b = quad_offset(tb, hi, ra + 8);
       if (hi < m) {
         const int h = p * m + (RM > 0 ? row % kR : hi);
-        const int64_t at = RM > 0 ? at_next : (tt * H + h) * D + 8 * sub;
-        cp_async_row_pair_swizzled<L::kTokSlab>(qs_sw, q + at, ok);
-        if constexpr (!KL_ONLY) cp_async_row_pair_swizzled<L::kTokSlab>(qs_sw + (o_dst - q_dst), d_o + at, ok);
+        cp_async_row_quarter_swizzled<L::kTokSlab>(qs, q + at_a, ta >= 0);
+        cp_async_row_quarter_swizzled<L::kTokSlab>(qs + 1024, q + at_b, tb >= 0);
+        if constexpr (!KL_ONLY) {
+          cp_async_row_quarter_swizzled<L::kTokSlab>(qs + kDoOff, d_o + at_a, ta >= 0);
+          cp_async_row_quarter_swizzled<L::kTokSlab>(qs + kDoOff + 1024, d_o + at_b, tb >= 0);
+        }
         if (sub == 0) cp_async_4(smem_u32(&tm.lse[row]), lse + static_cast<int64_t>(h) * ix.T + tt, ok);
         else if constexpr (!KL_ONLY) cp_async_4(smem_u32(&tm.aux[row]), di + tt * H + h, ok);
         if constexpr (DET && RM > 0) {
           if (sub == 1) cp_async_4(smem_u32(row_fx_s + st * kTileTok + row), fa.row_fx + tt * H + h, ok);
         }
       } else {
-        const int64_t at = RM > 0 ? at_next : (tt * Hp + p) * D + 8 * sub;
-        cp_async_row_pair_swizzled<L::kTokSlab>(qs_sw, fa.qp + at, ok);
+        cp_async_row_quarter_swizzled<L::kTokSlab>(qs, fa.qp + at_a, ta >= 0);
+        cp_async_row_quarter_swizzled<L::kTokSlab>(qs + 1024, fa.qp + at_b, tb >= 0);
         if (sub == 0) cp_async_4(smem_u32(&tm.lse[row]), fa.lse_s + static_cast<int64_t>(p) * ix.T + tt, ok);
       }
       if (sub == 0) {
@@ -470,7 +482,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       }
       if constexpr (RM > 0) {
         t_next = s + 1 < steps ? token_of_step(hi, i0) : -1;
-        at_next = source_offset(t_next, hi);
+        quad_tokens(t_next, ta, tb);
       }
     }
     // The copies arrive on full / kv_full, which the consumers wait for before the CTA can exit,
