@@ -101,8 +101,8 @@ using WgBwd = WgLayout<false>;
 using WgKl = WgLayout<true>;
 static_assert(WgBwd::kSmem <= 227 * 1024, "the wgmma backward must fit in one SM's shared memory");
 static_assert(WgKl::kSmem <= 227 * 1024, "the KL-only kernel must fit in one SM's shared memory");
-// The producer forms a row's swizzled 16-byte slots with an XOR (qs_sw ^ (c << 4)): every token
-// row starts 128-byte aligned, given the kernel's 1024-aligned base (wb_smem_raw rounded up).
+// The producer forms a row's swizzled 16-byte slots with XORs (cp_async_row_quarter_swizzled): every
+// token row starts 128-byte aligned, given the kernel's 1024-aligned base (wb_smem_raw rounded up).
 static_assert(WgBwd::oQ % 128 == 0 && WgBwd::odO % 128 == 0 && WgBwd::kTokTile % 128 == 0 &&
                   WgBwd::kTokSlab % 128 == 0 && WgKl::oQ % 128 == 0 && WgKl::kTokTile % 128 == 0 &&
                   WgKl::kTokSlab % 128 == 0,
@@ -395,7 +395,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     const int row = pt >> 1, sub = pt & 1;
     const int qd = (pt & 31) >> 2, qi = pt & 3;
     const int ra = (pt >> 5) * 16 + qd;  // and ra + 8: both rows have swizzle key qd
-    const uint32_t q_dst = smem_u32(sQ) + ra * 128 + ((qd ^ qi) << 4);  // + stage (+ 1024: row ra + 8)
+    const uint32_t q_dst = smem_u32(sQ) + ra * 128 + ((qd ^ qi) << 4);  // + stage (+ 8 * 128: row ra + 8)
     constexpr uint32_t kDoOff = L::odO - L::oQ;                        // dO's rows, a multiple of 128 on
     int t = -1, i0 = bc.begin, hi = 0;
     // Token rows: head step hi holds tokens i0 + hi * 64/RM + (row / RM), all RM heads each; the
@@ -455,10 +455,10 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       if (hi < m) {
         const int h = p * m + (RM > 0 ? row % kR : hi);
         cp_async_row_quarter_swizzled<L::kTokSlab>(qs, q + at_a, ta >= 0);
-        cp_async_row_quarter_swizzled<L::kTokSlab>(qs + 1024, q + at_b, tb >= 0);
+        cp_async_row_quarter_swizzled<L::kTokSlab>(qs + 8 * 128, q + at_b, tb >= 0);
         if constexpr (!KL_ONLY) {
           cp_async_row_quarter_swizzled<L::kTokSlab>(qs + kDoOff, d_o + at_a, ta >= 0);
-          cp_async_row_quarter_swizzled<L::kTokSlab>(qs + kDoOff + 1024, d_o + at_b, tb >= 0);
+          cp_async_row_quarter_swizzled<L::kTokSlab>(qs + kDoOff + 8 * 128, d_o + at_b, tb >= 0);
         }
         if (sub == 0) cp_async_4(smem_u32(&tm.lse[row]), lse + static_cast<int64_t>(h) * ix.T + tt, ok);
         else if constexpr (!KL_ONLY) cp_async_4(smem_u32(&tm.aux[row]), di + tt * H + h, ok);
@@ -467,7 +467,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
         }
       } else {
         cp_async_row_quarter_swizzled<L::kTokSlab>(qs, fa.qp + at_a, ta >= 0);
-        cp_async_row_quarter_swizzled<L::kTokSlab>(qs + 1024, fa.qp + at_b, tb >= 0);
+        cp_async_row_quarter_swizzled<L::kTokSlab>(qs + 8 * 128, fa.qp + at_b, tb >= 0);
         if (sub == 0) cp_async_4(smem_u32(&tm.lse[row]), fa.lse_s + static_cast<int64_t>(p) * ix.T + tt, ok);
       }
       if (sub == 0) {
