@@ -9,6 +9,9 @@ cmake --build "$BUILD" -j"$(nproc)" --target flashmsa_gpu_tests flashmsa_run fla
 mkdir -p scratch-gpu
 cp "$BUILD"/tests/gpu/flashmsa_gpu_tests "$BUILD"/apps/flashmsa_run "$BUILD"/python/_C*.so scratch-gpu/
 strip --strip-debug scratch-gpu/* 2>/dev/null || true
+# Compressed: the working tree plus what a device call carries must stay under 64 MiB (the three
+# binaries are ~52 MB, ~10 MB as xz); gpu_check.sh unpacks them.
+xz -f -T"$(nproc)" scratch-gpu/flashmsa_gpu_tests scratch-gpu/flashmsa_run scratch-gpu/_C*.so
 # The commit the binaries come from (the device copy's git metadata can be stale): gpu_check.sh
 # exports it as FLASHMSA_COMMIT for the benchmark's JSON.
 echo "$(git rev-parse HEAD)$(git diff --quiet HEAD -- src include apps python tests || echo -dirty)" > scratch-gpu/COMMIT

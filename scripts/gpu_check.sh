@@ -9,6 +9,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-scratch-gpu}
+# build_gpu_bundle.sh carries the binaries as .xz.
+for f in "$BIN"/*.xz; do [ -f "$f" ] && xz -d -f -T0 "$f"; done
+chmod +x "$BIN"/flashmsa_* 2>/dev/null
 # Logs and JSON go to $LOGS; at the end they are packed into $OUT/gpu_check.tgz (the device tool
 # returns at most 8 files) and the JSON files are also copied to $OUT.
 OUT=${OUT:-/tmp/flashmsa-gpu-out}
