@@ -686,6 +686,40 @@ TEST(CudaForward, WgmmaKvOverflowRowsRecomputed) {
   check_overflow_recomputed(shape(32, 2, 2, 1, 128, 8, {1900, 700}), 148, /*det=*/true);
 }
 
+// Tokens whose selection leaves their own block out (block_idx is the caller's; select_blocks always
+// keeps it): the fixed reference, the diagonal score, then lies outside the row's keys, so the row sum
+// may fall far below 1 (recomputed query-major below 2^-64). Every third token with another block
+// selected drops its own (its last entry: ascending order); 256-token chunks.
+TEST(CudaForward, WgmmaKvOwnBlockLeftOut) {
+  GPUTEST_REQUIRE_DEVICE();
+  ScopedForwardPath path("wgmma");
+  ScopedChunk chunk("256");
+  for (const Shape& sh : {shape(32, 2, 2, 1, 128, 8, {1300, 400}), shape(16, 2, 4, 1, 128, 8, {900, 800})}) {
+    Problem pr;
+    gputest::make_problem(pr, sh, 167);
+    std::vector<int32_t> sel = selection_of(pr);
+    const Shape& s = pr.s;
+    int64_t dropped = 0;
+    for (int p = 0; p < s.Hp; ++p)
+      for (int b = 0; b < pr.B; ++b)
+        for (int64_t t = pr.cu[b]; t < pr.cu[b + 1]; ++t) {
+          if (t % 3 != 1) continue;
+          int32_t* row = sel.data() + (p * pr.T + t) * s.K;
+          int last = s.K - 1;
+          while (last >= 0 && row[last] < 0) --last;
+          ASSERT_GE(last, 0) << "a token with no selected block";
+          ASSERT_EQ(row[last], static_cast<int32_t>((t - pr.cu[b]) / 128)) << "the last entry is not the own block";
+          if (last == 0) continue;  // the own block alone: the row would be empty
+          row[last] = -1;
+          ++dropped;
+        }
+    ASSERT_GT(dropped, pr.T / 4) << "too few tokens without their own block";
+    const GpuForward g = run_gpu_on(pr, sel, /*with_kl=*/false);
+    if (::testing::Test::HasFatalFailure()) return;
+    expect_finite_and_close_to_cpu(pr, sel, g);
+  }
+}
+
 // Deterministic mode flags a token (recomputed query-major) when one of its rows sums to more than
 // 2^27 over a block (kOverflowSumDet); below that the rows stay KV-major, in fixed point with
 // l <= K 2^27. Band tokens: one head's q set to c k_j for a key j earlier in the token's own block,
