@@ -60,45 +60,18 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
                "r"(src_bytes));
 }
 
-// A 256-byte row (two 64-column slabs, kSlabBytes apart in shared memory) copied by a PAIR of
-// threads, thread `sub` (0 or 1) taking the 16-byte chunks c = 2i + sub, i = 0..7: the two threads
-// of a pair read the two halves of each 32-byte sector in the same instruction, one L2 request per
-// sector. (One thread per 128-byte slab, the mapping before, put every lane of an instruction in
-// its own sector, half of it used: ncu of the forward's KL-value kernel read L2 tag requests at 76%
-// of peak and sectors at 27%, half the requested sectors "excessive"; with the pairs the kernel ran
-// 18% faster at m3/32k, L2 throughput 62%.)
-// Chunk c goes to the swizzled slot (c & 7) ^ (row & 7) of slab c >> 3. dst_sw: the row's
-// 128-byte aligned address in slab 0 plus its swizzle, (row & 7) << 4, xor sub << 4 (the thread's
-// first chunk); src: the thread's first chunk, the row's element 8 sub. One asm block, so the
-// source stays one register pair with immediate offsets and the second slab's address is formed
-// inside it (the 40-register producers spilled otherwise).
-// valid = false zero-fills the thread's chunks.
-template <int kSlabBytes>
-__device__ __forceinline__ void cp_async_row_pair_swizzled(uint32_t dst_sw, const void* src, bool valid) {
-  const int src_bytes = valid ? 16 : 0;
-  uint32_t dst = dst_sw;  // moved to the second slab inside the block
-  asm volatile(
-      "{\n"
-      ".reg .b32 d;\n"
-      "cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-      "xor.b32 d, %0, 32;\n  cp.async.cg.shared.global [d], [%1+32], 16, %2;\n"
-      "xor.b32 d, %0, 64;\n  cp.async.cg.shared.global [d], [%1+64], 16, %2;\n"
-      "xor.b32 d, %0, 96;\n  cp.async.cg.shared.global [d], [%1+96], 16, %2;\n"
-      "add.u32 %0, %0, %3;\n cp.async.cg.shared.global [%0], [%1+128], 16, %2;\n"
-      "xor.b32 d, %0, 32;\n  cp.async.cg.shared.global [d], [%1+160], 16, %2;\n"
-      "xor.b32 d, %0, 64;\n  cp.async.cg.shared.global [d], [%1+192], 16, %2;\n"
-      "xor.b32 d, %0, 96;\n  cp.async.cg.shared.global [d], [%1+224], 16, %2;\n"
-      "}\n"
-      : "+r"(dst)
-      : "l"(src), "r"(src_bytes), "n"(kSlabBytes));
-}
-
-// The same row copied by a QUAD of threads, thread i (0..3) taking the chunks c = 4n + i, n = 0..3:
-// the quad reads 64 contiguous bytes (two sectors of one 128-byte line) per instruction, so a warp
-// instruction covers 8 rows x 64 bytes, half the lines of the pairs' 16 rows x 32 bytes. dst_sw: the
-// row's 128-byte aligned address in slab 0 | ((i ^ (row & 7)) << 4); chunk 4 + i's slot is chunk
-// i's XOR 4 (address ^ 64), and slab 1 lies kSlabBytes on. src: the thread's first chunk, the row's
-// element 8 i. valid = false zero-fills the thread's chunks.
+// A 256-byte row (two 64-column slabs, kSlabBytes apart in shared memory) copied by a QUAD of threads,
+// thread i (0..3) taking the 16-byte chunks c = 4n + i, n = 0..3: the quad reads 64 contiguous bytes
+// (two sectors of one 128-byte line) per instruction, so a warp instruction covers 8 rows x 64 bytes.
+// Measured on the gathered rows of the backward / KL value: a thread per 128-byte slab put every lane
+// of an instruction in its own sector, half of it used (ncu of the KL-value kernel: L2 tag requests at
+// 76% of peak, sectors at 27%); pairs per 32-byte sector (16 rows x 32 bytes) took 7% off the backward
+// and 18% off the KL value, quads 4% more off the backward (perf-notes). Chunk c goes to the swizzled
+// slot (c & 7) ^ (row & 7) of slab c >> 3: dst_sw is the row's 128-byte aligned slab-0 address |
+// ((i ^ (row & 7)) << 4), chunk 4 + i's slot is chunk i's XOR 4 (address ^ 64), and slab 1 lies
+// kSlabBytes on. src: the thread's first chunk, the row's element 8 i. One asm block, so the source
+// stays one register pair with immediate offsets and the second slab's address is formed inside it
+// (the 40-register producers spilled otherwise). valid = false zero-fills the thread's chunks.
 template <int kSlabBytes>
 __device__ __forceinline__ void cp_async_row_quarter_swizzled(uint32_t dst_sw, const void* src, bool valid) {
   const int src_bytes = valid ? 16 : 0;

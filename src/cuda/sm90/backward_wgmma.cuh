@@ -451,15 +451,15 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       // slots of the thread's chunks follow from its first by XORs (cp_async_row_quarter_swizzled),
       // and dO's rows lie kDoOff on (the same XORs hold there).
       const uint32_t qs = q_dst + st * L::kTokTile;
-      const int64_t at_a = quad_offset(ta, hi, ra), at_b = quad_offset(tb, hi, ra + 8);
+      // Row ra's copies, then row ra + 8's: one source offset live at a time (24 registers).
+      const int64_t at_a = quad_offset(ta, hi, ra);
       if (hi < m) {
         const int h = p * m + (RM > 0 ? row % kR : hi);
         cp_async_row_quarter_swizzled<L::kTokSlab>(qs, q + at_a, ta >= 0);
+        if constexpr (!KL_ONLY) cp_async_row_quarter_swizzled<L::kTokSlab>(qs + kDoOff, d_o + at_a, ta >= 0);
+        const int64_t at_b = quad_offset(tb, hi, ra + 8);
         cp_async_row_quarter_swizzled<L::kTokSlab>(qs + 8 * 128, q + at_b, tb >= 0);
-        if constexpr (!KL_ONLY) {
-          cp_async_row_quarter_swizzled<L::kTokSlab>(qs + kDoOff, d_o + at_a, ta >= 0);
-          cp_async_row_quarter_swizzled<L::kTokSlab>(qs + kDoOff + 8 * 128, d_o + at_b, tb >= 0);
-        }
+        if constexpr (!KL_ONLY) cp_async_row_quarter_swizzled<L::kTokSlab>(qs + kDoOff + 8 * 128, d_o + at_b, tb >= 0);
         if (sub == 0) cp_async_4(smem_u32(&tm.lse[row]), lse + static_cast<int64_t>(h) * ix.T + tt, ok);
         else if constexpr (!KL_ONLY) cp_async_4(smem_u32(&tm.aux[row]), di + tt * H + h, ok);
         if constexpr (DET && RM > 0) {
@@ -467,7 +467,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
         }
       } else {
         cp_async_row_quarter_swizzled<L::kTokSlab>(qs, fa.qp + at_a, ta >= 0);
-        cp_async_row_quarter_swizzled<L::kTokSlab>(qs + 8 * 128, fa.qp + at_b, tb >= 0);
+        cp_async_row_quarter_swizzled<L::kTokSlab>(qs + 8 * 128, fa.qp + quad_offset(tb, hi, ra + 8), tb >= 0);
         if (sub == 0) cp_async_4(smem_u32(&tm.lse[row]), fa.lse_s + static_cast<int64_t>(p) * ix.T + tt, ok);
       }
       if (sub == 0) {

@@ -469,19 +469,26 @@ __global__ void __launch_bounds__(kThreads, 1) kvw_fwd_kernel(
     }
     // m = 4 (a token's rows are half of an 8-row group, so TMA needs two boxes per token and its
     // unit, which also carries the bulk reduce-adds, left the consumers waiting for Q: 42% of
-    // their stall samples at fm16k): threads 2 row and 2 row + 1 copy tile row `row` (token slot
-    // row / 4, head row % 4), a 16-byte chunk of each 32-byte sector each, into the swizzled slots
-    // a box would fill (cp_async_row_pair_swizzled), then arrive (.noinc) on the tile's full
-    // barrier, rows or not. Rows of a partial last tile are not loaded, as with the boxes.
+    // their stall samples at fm16k): a quad of threads copies each tile row (token slot row / 4,
+    // head row % 4), every fourth 16-byte chunk each, into the swizzled slots a box would fill,
+    // then each thread arrives (.noinc) on the tile's full barrier, rows or not. Rows of a partial
+    // last tile are not loaded, as with the boxes.
     auto issue_q_cp_async = [&](const int32_t* list, int ntok, int tiles_before, int i) {
       const int tg = tiles_before + i, st = tg % kStages;
       if (tg >= kStages) mbarrier_wait(empty + st, ((tg / kStages) - 1) & 1);
-      const int row = threadIdx.x >> 1, sub = threadIdx.x & 1, slot = row >> 2;
-      if (slot < min(kTok, ntok - i * kTok)) {
-        const int64_t t = list[i * kTok + slot];
-        const uint32_t dst =
-            smem_u32(sQ + st * kQTile + (row >> 3) * kQGroup) + (row & 7) * 128 + (((row & 7) ^ sub) << 4);
-        cp_async_row_pair_swizzled<kQGroup / 2>(dst, q + (t * H + head0 + (row & 3)) * kD + 8 * sub, true);
+      // Lane 4 qd + qi of warp w copies chunks 4 n + qi of rows ra = 16 w + qd and ra + 8 (the next
+      // 8-row group, kQGroup on): 8 rows x 64 bytes per warp instruction (cp_async_row_quarter_swizzled).
+      const int qd = (threadIdx.x & 31) >> 2, qi = threadIdx.x & 3, ra = (threadIdx.x >> 5) * 16 + qd;
+      const int n = min(kTok, ntok - i * kTok);
+      const uint32_t dst = smem_u32(sQ + st * kQTile + (ra >> 3) * kQGroup) + qd * 128 + ((qd ^ qi) << 4);
+#pragma unroll 1
+      for (int k = 0; k < 2; ++k) {
+        const int r = ra + 8 * k;
+        if ((r >> 2) < n) {
+          const int64_t t = list[i * kTok + (r >> 2)];
+          cp_async_row_quarter_swizzled<kQGroup / 2>(dst + k * kQGroup, q + (t * H + head0 + (r & 3)) * kD + 8 * qi,
+                                                     true);
+        }
       }
       cp_async_mbar_arrive_noinc(full + tg % kFullBars);
     };
