@@ -6,7 +6,7 @@
 #   CONFIGS   "name:flashmsa_run arguments;..."  default: m3 at 64k and 32k
 #   ROUNDS    rounds of every (config, variant) pair, alternating, the order rotated per round (default 2)
 #   CHECK     flashmsa_run's --check-tokens (default 1: each run is also checked against fp64)
-# Every run's phases go to $OUT/ab.log; the table at the end gives, per config and variant, each
+# Every run's phases (and its workspace peaks) go to $OUT/ab.log; the table at the end gives, per config and variant, each
 # phase's times over the rounds (ms) and whether every run passed its check.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,7 +43,7 @@ for ((r = 1; r <= ROUNDS; r++)); do
       echo "== round $r | $cname | $vname" >> "$LOG"
       # shellcheck disable=SC2086
       env "${envs[@]}" "$bin" --device cuda $args --check-tokens "$CHECK" --check-keys 0 --quiet 2>&1 |
-        grep -E "^(select_blocks|sparse forward|(dense )?warm-up fwd|backward|training step|step \(CUDA graph\))|RESULT|rror" >> "$LOG"
+        grep -E "^(select_blocks|sparse forward|(dense )?warm-up fwd|backward|training step|step \(CUDA graph\))|extra device memory|RESULT|rror" >> "$LOG"
     done
   done
 done
