@@ -115,18 +115,21 @@ def flops(cfg, S: int, sel: float) -> dict:
     }
 
 
-def flashmsa_step(q, k, v, qp, kp, cu, cu_host, K, BLK, d_o, mode="sparse"):
+def flashmsa_step(q, k, v, qp, kp, cu, cu_host, K, BLK, d_o, mode="sparse", kl_out=None):
+    """The op's forward and its step. kl_out (msa_attention's kl_value_out): the forward skips the
+    KL value and the backward writes it there."""
     scale, pscale = q.shape[-1] ** -0.5, qp.shape[-1] ** -0.5
     args = dict(block_size=BLK, top_k=K, local_blocks=1, scale=scale, proxy_scale=pscale,
-                kl_coeff=1.0, mode=mode, deterministic=False)
+                kl_coeff=1.0, attention_mode=mode, deterministic=False)
 
     def fwd():
-        return torch.ops.flashmsa.forward(q, k, v, qp, kp, cu, cu_host, **args)
+        return torch.ops.flashmsa.forward(q, k, v, qp, kp, cu, cu_host, **args, kl_out=kl_out)
 
     def step():
         o, lse, idx, kl = fwd()
         g = torch.ones((), device=q.device, dtype=torch.float32)
-        grads = torch.ops.flashmsa.backward(q, k, v, qp, kp, cu, cu_host, idx, o, lse, d_o, g, **args)
+        grads = torch.ops.flashmsa.backward(q, k, v, qp, kp, cu, cu_host, idx, o, lse, d_o, g, **args,
+                                            kl_out=kl_out)
         return kl, grads
 
     return fwd, step
@@ -203,12 +206,16 @@ def bench_warmup(S: int, iters: int) -> dict:
     cu = torch.tensor([0, S], device="cuda", dtype=torch.int32)
     _, step = flashmsa_step(q, k, v, qp, kp, cu, cu.cpu(), K, BLK, d_o, mode="warmup")
     w = {"S": S, "flashmsa_step_ms": bench_ms(step, iters)}
+    kl_out = torch.zeros((), device="cuda")
+    _, step_kl_bwd = flashmsa_step(q, k, v, qp, kp, cu, cu.cpu(), K, BLK, d_o, mode="warmup", kl_out=kl_out)
+    w["flashmsa_step_kl_from_backward_ms"] = bench_ms(step_kl_bwd, iters)
     f, leaves = sdpa_cudnn(q, k, v)
     for x in leaves:
         x.requires_grad_(True)
     w["cudnn_fwdbwd_ms"] = bench_ms(fwd_bwd(f, leaves, d_o.transpose(0, 1)[None]), iters)
     w["ratio_vs_cudnn_fwdbwd"] = w["flashmsa_step_ms"] / w["cudnn_fwdbwd_ms"]
-    print(f"warm-up m3 S={S}: flashmsa {w['flashmsa_step_ms']:.2f} ms, cuDNN f+b {w['cudnn_fwdbwd_ms']:.2f} ms "
+    print(f"warm-up m3 S={S}: flashmsa {w['flashmsa_step_ms']:.2f} ms (KL value from the backward: "
+          f"{w['flashmsa_step_kl_from_backward_ms']:.2f}), cuDNN f+b {w['cudnn_fwdbwd_ms']:.2f} ms "
           f"({w['ratio_vs_cudnn_fwdbwd']:.2f}x)", flush=True)
     return w
 
@@ -271,13 +278,18 @@ def main():
             run["flashmsa_fwd_ms"] = bench_ms(fwd, args.iters)
             run["flashmsa_step_ms"] = bench_ms(step, args.iters)
             run["flashmsa_bwd_ms"] = run["flashmsa_step_ms"] - run["flashmsa_fwd_ms"]
+            kl_out = torch.zeros((), device="cuda")
+            _, step_kl_bwd = flashmsa_step(q, k, v, qp, kp, cu, cu_host, K, BLK, d_o, kl_out=kl_out)
+            run["flashmsa_step_kl_from_backward_ms"] = bench_ms(step_kl_bwd, args.iters)
+            run["kl_loss_from_backward"] = float(kl_out.item())
             step_flop = fl["select"] + fl["forward"] + fl["backward"]
             run["flop"] = fl
             run["ideal_step_ms"] = step_flop / (ceiling * 1e12) * 1e3
             run["flashmsa_step_tflops"] = step_flop / (run["flashmsa_step_ms"] * 1e-3) / 1e12
             run["flashmsa_step_frac_ceiling"] = run["flashmsa_step_tflops"] / ceiling
             print(f"{name} S={S}: flashmsa fwd(sel+fwd+kl) {run['flashmsa_fwd_ms']:.2f} ms, step "
-                  f"{run['flashmsa_step_ms']:.2f} ms ({run['flashmsa_step_tflops']:.0f} TFLOP/s), ideal "
+                  f"{run['flashmsa_step_ms']:.2f} ms ({run['flashmsa_step_tflops']:.0f} TFLOP/s; KL value "
+                  f"from the backward {run['flashmsa_step_kl_from_backward_ms']:.2f} ms), ideal "
                   f"{run['ideal_step_ms']:.2f} ms", flush=True)
             if not args.no_peers and S <= DENSE_MAX_S:
                 f, leaves = sdpa_cudnn(q, k, v)

@@ -1,8 +1,9 @@
 // torch.ops.flashmsa.*: the library's msa_forward / msa_backward as PyTorch operators.
 //
-// The operators are functional (fresh outputs, no aliasing, no mutation), so autograd, fake
-// tensors and torch.compile are all registered from Python (flashmsa/__init__.py) on top of
-// these two schemas. One C++ function serves both devices: the library dispatches on the
+// The operators return fresh outputs and alias nothing; the one mutation is the backward's
+// optional kl_out (declared in its schema), which receives the kl_loss value when the forward was
+// asked not to form it. Autograd, fake tensors and torch.compile are all registered from Python
+// (flashmsa/__init__.py) on top of these two schemas. One C++ function serves both devices: the library dispatches on the
 // views' device itself; here we only pick the stream and device guard.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -214,6 +215,19 @@ void run_on_device(const Tensor& q, F&& body) {
   }
 }
 
+// kl_out: a one-element fp32 tensor on q's device (checked in the forward too, so a bad one fails
+// before any work, not in the backward).
+void check_kl_out(const std::optional<Tensor>& kl_out, const Tensor& q) {
+  if (!kl_out) return;
+  const Tensor& t = *kl_out;
+  TORCH_CHECK(t.scalar_type() == at::kFloat, "flashmsa: argument 'kl_out' must be float32, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.numel() == 1 && t.dim() <= 1,
+              "flashmsa: argument 'kl_out' must hold one value (0-dim or [1]), got shape ", t.sizes());
+  TORCH_CHECK(t.device() == q.device(), "flashmsa: argument 'kl_out' is on ", t.device(),
+              ", q is on ", q.device());
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor> forward(
     const Tensor& q,             // [T, H, D]
     const Tensor& k,             // [T, Hkv, D]
@@ -223,8 +237,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> forward(
     const Tensor& cu_seqlens,    // [B+1] int32, q's device
     const std::optional<Tensor>& cu_seqlens_host,  // [B+1] int32 CPU, optional
     int64_t block_size, int64_t top_k, int64_t local_blocks, double scale, double proxy_scale,
-    double kl_coeff, c10::string_view mode, bool deterministic) {
+    double kl_coeff, c10::string_view mode, bool deterministic,
+    const std::optional<Tensor>& kl_out) {  // given: the backward forms the KL value, not this
   TORCH_CHECK(q.dim() == 3, "flashmsa: argument 'q' must have 3 dimensions [T, H, D]");
+  check_kl_out(kl_out, q);
   TORCH_CHECK(v.dim() == 3, "flashmsa: argument 'v' must have 3 dimensions [T, Hkv, Dv]");
   TORCH_CHECK(qp.dim() == 3, "flashmsa: argument 'qp' must have 3 dimensions [T, Hp, Dp]");
   const flashmsa::Options opt = make_options(block_size, top_k, local_blocks, scale, proxy_scale,
@@ -238,16 +254,21 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> forward(
   Tensor block_idx = at::empty(sparse ? std::vector<int64_t>{Hp, T, top_k}           // [Hp, T, K]
                                       : std::vector<int64_t>{0},                     // warm-up: [0]
                                in.q.options().dtype(at::kInt));
-  Tensor kl = at::empty({}, in.q.options().dtype(at::kFloat));                       // scalar
+  // With kl_out the forward skips the KL value (a pass over every head's scores again, since
+  // the sparse and warm-up forwards do not keep the probabilities): kl carries only the gradient
+  // path and holds 0.
+  Tensor kl = kl_out ? at::zeros({}, in.q.options().dtype(at::kFloat))             // scalar
+                     : at::empty({}, in.q.options().dtype(at::kFloat));
   poison(o);
   poison(lse);
   poison(block_idx);
-  poison(kl);
+  if (!kl_out) poison(kl);
 
   run_on_device(in.q, [&](flashmsa::Stream stream) {
     flashmsa::msa_forward(in.views, opt,
                           sparse ? view_of(block_idx, "block_idx") : flashmsa::TensorView(),
-                          view_of(o, "o"), view_of(lse, "lse"), view_of(kl, "kl"), stream);
+                          view_of(o, "o"), view_of(lse, "lse"),
+                          kl_out ? flashmsa::TensorView() : view_of(kl, "kl"), stream);
   });
   return {o, lse, block_idx, kl};
 }
@@ -261,12 +282,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward(
     const Tensor& d_o,        // [T, H, Dv]
     const Tensor& kl_grad,    // scalar (or [1]) fp32: upstream gradient of kl_loss
     int64_t block_size, int64_t top_k, int64_t local_blocks, double scale, double proxy_scale,
-    double kl_coeff, c10::string_view mode, bool deterministic) {
+    double kl_coeff, c10::string_view mode, bool deterministic,
+    const std::optional<Tensor>& kl_out) {  // [1] or 0-dim fp32: receives the kl_loss value
   const flashmsa::Options opt = make_options(block_size, top_k, local_blocks, scale, proxy_scale,
                                              kl_coeff, mode, deterministic, !q.is_cuda());
   Inputs in = make_inputs(q, k, v, qp, kp, cu_seqlens, cu_seqlens_host);
   const bool sparse = opt.mode == flashmsa::Mode::sparse;
   TORCH_CHECK(kl_grad.numel() == 1, "flashmsa: argument 'kl_grad' must hold one value");
+  check_kl_out(kl_out, q);
+  // Written in place (the schema declares it mutated): a non-contiguous or misaligned one is
+  // rejected rather than silently copied.
+  TORCH_CHECK(!kl_out || (kl_out->is_contiguous() &&
+                          reinterpret_cast<uintptr_t>(kl_out->data_ptr()) % 4 == 0),
+              "flashmsa: argument 'kl_out' must be contiguous and 4-byte aligned");
   // Upstream gradients may be expanded scalars or a different float type; the kernels want
   // dense tensors of the input dtype (d_o) and one fp32 value (kl_grad), read on the device.
   Tensor d_o_c = prepare(d_o.to(in.q.scalar_type()));
@@ -291,7 +319,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward(
     grads.dkp = view_of(dkp, "dkp");
     flashmsa::msa_backward(in.views, sparse ? view_of(idx_c, "block_idx") : flashmsa::TensorView(),
                            view_of(o_c, "o"), view_of(lse_c, "lse"), view_of(d_o_c, "d_o"),
-                           view_of(g, "kl_grad"), opt, grads, flashmsa::TensorView(), stream);
+                           view_of(g, "kl_grad"), opt, grads,
+                           kl_out ? view_of(*kl_out, "kl_out") : flashmsa::TensorView(), stream);
   });
   return {dq, dk, dv, dqp, dkp};
 }
@@ -300,18 +329,20 @@ bool cuda_built() { return flashmsa::cuda_backend_built(); }
 
 }  // namespace
 
+// The mode argument is `attention_mode`: functionalization of the mutating backward (torch.compile)
+// passes the op's arguments by name next to its own `mode`.
 TORCH_LIBRARY(flashmsa, m) {
   m.def(
       "forward(Tensor q, Tensor k, Tensor v, Tensor qp, Tensor kp, Tensor cu_seqlens, "
       "Tensor? cu_seqlens_host, int block_size, int top_k, int local_blocks, float scale, "
-      "float proxy_scale, float kl_coeff, str mode, bool deterministic) "
+      "float proxy_scale, float kl_coeff, str attention_mode, bool deterministic, Tensor? kl_out=None) "
       "-> (Tensor o, Tensor lse, Tensor block_idx, Tensor kl)");
   m.def(
       "backward(Tensor q, Tensor k, Tensor v, Tensor qp, Tensor kp, Tensor cu_seqlens, "
       "Tensor? cu_seqlens_host, Tensor block_idx, Tensor o, Tensor lse, Tensor d_o, "
       "Tensor kl_grad, int block_size, int top_k, int local_blocks, float scale, "
-      "float proxy_scale, float kl_coeff, str mode, bool deterministic) "
-      "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dqp, Tensor dkp)");
+      "float proxy_scale, float kl_coeff, str attention_mode, bool deterministic, "
+      "Tensor(a!)? kl_out=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dqp, Tensor dkp)");
   // Build facts for Python, as an op so no pybind module is needed.
   m.def("cuda_built() -> bool", &cuda_built);
 }

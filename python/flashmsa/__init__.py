@@ -56,11 +56,11 @@ class MSAOutput(NamedTuple):
 
 @torch.library.register_fake("flashmsa::forward")
 def _forward_fake(q, k, v, qp, kp, cu_seqlens, cu_seqlens_host, block_size, top_k, local_blocks,
-                  scale, proxy_scale, kl_coeff, mode, deterministic):
+                  scale, proxy_scale, kl_coeff, attention_mode, deterministic, kl_out=None):
     T, H, Dv, Hp = q.shape[0], q.shape[1], v.shape[2], qp.shape[1]
     o = q.new_empty((T, H, Dv))
     lse = q.new_empty((H, T), dtype=torch.float32)
-    shape = (Hp, T, top_k) if mode == "sparse" else (0,)
+    shape = (Hp, T, top_k) if attention_mode == "sparse" else (0,)
     block_idx = q.new_empty(shape, dtype=torch.int32)
     kl = q.new_empty((), dtype=torch.float32)
     return o, lse, block_idx, kl
@@ -68,8 +68,8 @@ def _forward_fake(q, k, v, qp, kp, cu_seqlens, cu_seqlens_host, block_size, top_
 
 @torch.library.register_fake("flashmsa::backward")
 def _backward_fake(q, k, v, qp, kp, cu_seqlens, cu_seqlens_host, block_idx, o, lse, d_o, kl_grad,
-                   block_size, top_k, local_blocks, scale, proxy_scale, kl_coeff, mode,
-                   deterministic):
+                   block_size, top_k, local_blocks, scale, proxy_scale, kl_coeff,
+                   attention_mode, deterministic, kl_out=None):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format),
@@ -79,26 +79,29 @@ def _backward_fake(q, k, v, qp, kp, cu_seqlens, cu_seqlens_host, block_idx, o, l
 
 # ---------------------------------------------------------------------------------------------
 # Autograd: the forward op saves what the fused backward needs; lse and block_idx carry no
-# gradient. The KL gradient enters the backward as a tensor (no host synchronisation).
+# gradient. The KL gradient enters the backward as a tensor (no host synchronisation). kl_out, a
+# forward input that needs no gradient, is handed to the backward op, which writes the kl_loss
+# value into it (a mutation of a forward input in the backward, which torch.compile carries).
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, qp, kp, cu_seqlens, cu_seqlens_host, *options) = inputs
+    (q, k, v, qp, kp, cu_seqlens, cu_seqlens_host, *options, kl_out) = inputs
     o, lse, block_idx, kl = output
-    ctx.save_for_backward(q, k, v, qp, kp, cu_seqlens, cu_seqlens_host, block_idx, o, lse)
+    ctx.save_for_backward(q, k, v, qp, kp, cu_seqlens, cu_seqlens_host, block_idx, o, lse, kl_out)
     ctx.options = options
     ctx.mark_non_differentiable(lse, block_idx)
 
 
 def _backward(ctx, d_o, d_lse, d_block_idx, d_kl):
-    q, k, v, qp, kp, cu_seqlens, cu_seqlens_host, block_idx, o, lse = ctx.saved_tensors
+    q, k, v, qp, kp, cu_seqlens, cu_seqlens_host, block_idx, o, lse, kl_out = ctx.saved_tensors
     if d_o is None:
         d_o = torch.zeros_like(o)
     if d_kl is None:
         d_kl = torch.zeros((), dtype=torch.float32, device=o.device)
     dq, dk, dv, dqp, dkp = _ops.backward(q, k, v, qp, kp, cu_seqlens, cu_seqlens_host, block_idx,
-                                         o, lse, d_o, d_kl, *ctx.options)
-    return (dq, dk, dv, dqp, dkp) + (None,) * (2 + len(ctx.options))
+                                         o, lse, d_o, d_kl, *ctx.options, kl_out)
+    # No gradient for cu_seqlens, cu_seqlens_host, the options and kl_out.
+    return (dq, dk, dv, dqp, dkp) + (None,) * (3 + len(ctx.options))
 
 
 torch.library.register_autograd("flashmsa::forward", _backward, setup_context=_setup_context)
@@ -136,7 +139,8 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qp: torch.T
                   block_size: int = 128, top_k: int = 16, local_blocks: int = 1,
                   scale: Optional[float] = None, proxy_scale: Optional[float] = None,
                   kl_coeff: float = 1.0, mode: str = "sparse",
-                  deterministic: bool = False) -> MSAOutput:
+                  deterministic: bool = False,
+                  kl_value_out: Optional[torch.Tensor] = None) -> MSAOutput:
     """MiniMax Sparse Attention (causal), training forward with autograd.
 
     Layouts:
@@ -156,6 +160,13 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qp: torch.T
     tokens of KL(teacher || proxy); add it to the loss to train qp/kp (it sends no gradient into
     q, k, v). block_idx is int32 [B, Hp, S, K] (batch) or [Hp, T, K] (packed), ascending, -1
     padding last; None in warm-up mode.
+
+    kl_value_out: an optional one-element float32 tensor on q's device. Forming the KL value in
+    the forward takes a pass over every head's scores of its own (the backward forms it anyway,
+    fused); with kl_value_out the forward skips that pass and the backward writes the value into
+    kl_value_out. kl_loss then still carries the proxy's gradient, but its value is 0: log
+    kl_value_out after backward() instead. Where no backward can follow (grad mode off, or no
+    input requires grad), the forward forms the value and writes it there itself.
     """
     if mode not in _MODES:
         _fail(f"option 'mode' must be one of {_MODES}, got {mode!r}")
@@ -192,11 +203,26 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qp: torch.T
     else:
         cu_dev, cu_host = _as_cu_seqlens(cu_seqlens, q.device)
 
+    kl_out = None
+    if kl_value_out is not None:
+        if not isinstance(kl_value_out, torch.Tensor) or kl_value_out.dtype != torch.float32 or \
+                kl_value_out.numel() != 1 or kl_value_out.dim() > 1:
+            _fail("argument 'kl_value_out' must be one float32 value (a 0-dim or [1] tensor), got "
+                  + (f"{kl_value_out.dtype} {tuple(kl_value_out.shape)}"
+                     if isinstance(kl_value_out, torch.Tensor) else type(kl_value_out).__name__))
+        if kl_value_out.device != q.device:
+            _fail(f"argument 'kl_value_out' is on {kl_value_out.device}, q is on {q.device}")
+        if kl_value_out.requires_grad:
+            _fail("argument 'kl_value_out' must not require grad (it receives a value to log)")
+        backward_follows = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        kl_out = kl_value_out if backward_follows else None
     o, _lse, block_idx, kl = _ops.forward(
         q, k, v, qp, kp, cu_dev, cu_host, int(block_size), int(top_k), int(local_blocks),
         float(scale) if scale is not None else 0.0,
         float(proxy_scale) if proxy_scale is not None else 0.0,
-        float(kl_coeff), mode, bool(deterministic))
+        float(kl_coeff), mode, bool(deterministic), kl_out)
+    if kl_value_out is not None and kl_out is None:  # no backward to form it: the forward did
+        kl_value_out.copy_(kl.reshape(kl_value_out.shape))
 
     if mode != "sparse":
         block_idx = None

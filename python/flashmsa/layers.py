@@ -226,8 +226,13 @@ class MSAAttention(nn.Module):
         return torch.cat(parts)
 
     def forward(self, x: torch.Tensor,
-                cu_seqlens: Union[None, torch.Tensor, Sequence[int]] = None):
-        """x [B, S, d_model] (or packed [T, d_model] with cu_seqlens) -> (y like x, kl_loss 0-dim fp32)."""
+                cu_seqlens: Union[None, torch.Tensor, Sequence[int]] = None,
+                kl_value_out: Optional[torch.Tensor] = None):
+        """x [B, S, d_model] (or packed [T, d_model] with cu_seqlens) -> (y like x, kl_loss 0-dim fp32).
+
+        kl_value_out (one float32 value on x's device, optional): msa_attention's; the backward
+        writes kl_loss's value there and the forward skips forming it (kl_loss then holds 0 and
+        only carries the proxy's gradient). Dense mode writes 0."""
         in_shape = x.shape
         p = self.project(x, cu_seqlens)
         # the op wants one dtype for all five inputs (autocast may leave the norms in fp32)
@@ -236,12 +241,14 @@ class MSAAttention(nn.Module):
         if self.mode == "dense":
             o = self._dense_sdpa(q, k, v, cu_seqlens)
             kl = torch.zeros((), dtype=torch.float32, device=x.device)
+            if kl_value_out is not None:
+                kl_value_out.zero_()
         else:
             from flashmsa import msa_attention  # the extension loads with the package
             r = msa_attention(q, k, v, qp, kp, cu_seqlens, block_size=self.block_size,
                               top_k=self.top_k, local_blocks=self.local_blocks,
                               kl_coeff=self.kl_coeff, mode=self.mode,
-                              deterministic=self.deterministic)
+                              deterministic=self.deterministic, kl_value_out=kl_value_out)
             o, kl = r.out, r.kl_loss
             if self.record_selection:
                 self.last_block_idx = r.block_idx

@@ -72,6 +72,27 @@ def test_gradients_task_loss_vs_kl(mode):
     assert x.grad is None or x.grad.abs().sum() == 0
 
 
+@pytest.mark.parametrize("mode", ["warmup", "sparse", "dense"])
+def test_kl_value_out_from_backward(mode):
+    """With kl_value_out the backward writes the KL value and the parameters get the same
+    gradients as with the forward's value."""
+    x = torch.randn(2, 70, 48)
+    grads, values = [], []
+    for buf in (None, torch.full((), float("nan"))):
+        m = make().set_mode(mode)
+        y, kl = m(x, kl_value_out=buf)
+        (y.square().mean() + kl).backward()
+        grads.append([p.grad.clone() for p in m.parameters() if p.grad is not None])
+        values.append(kl.item() if buf is None else buf.item())
+        if buf is not None and mode != "dense":
+            assert kl.item() == 0.0
+    assert abs(values[1] - values[0]) <= 1e-5 * max(abs(values[0]), 1e-30)
+    assert (values[0] > 0) == (mode != "dense")
+    assert len(grads[0]) == len(grads[1])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_proxy_parameters_lists_exactly_the_proxy():
     m = make()
     ids = {id(p) for p in m.proxy_parameters()}

@@ -193,6 +193,10 @@ def _opcheck(device, dtype, cfg, opt, mode):
     bargs = (*[a.detach() if isinstance(a, torch.Tensor) else a for a in args[:7]], idx, o, lse,
              d_o, kl_grad, *args[7:])
     torch.library.opcheck(torch.ops.flashmsa.backward.default, bargs)
+    # With kl_out: the forward skips the KL value, the backward writes it (a declared mutation).
+    kl_out = torch.full((), float("nan"), device=device)
+    torch.library.opcheck(torch.ops.flashmsa.forward.default, (*args, kl_out))
+    torch.library.opcheck(torch.ops.flashmsa.backward.default, (*bargs, kl_out))
 
 
 @pytest.mark.parametrize("mode", ["sparse", "warmup"])
@@ -350,6 +354,96 @@ def test_bad_arguments(case, name):
 
 
 # --------------------------------------------------------------------------------------------
+# kl_value_out: the KL value formed by the backward instead of a forward pass of its own.
+
+def _kl_value_from_backward(device, dtype, cfg, opt, mode, layout, tol, kl_tol):
+    """The same step with and without kl_value_out: the value written by the backward matches
+    the forward's kl_loss, the returned kl_loss holds 0 but still trains the proxy, and the
+    outputs and gradients agree."""
+    inputs, cu = _problem(layout, cfg, dtype, device, seed=11)
+    cu_arg = None if layout == "batch" else cu.to(device)
+    gen = torch.Generator().manual_seed(12)
+    d_o = torch.randn(*inputs[0].shape[:-1], inputs[2].shape[-1], generator=gen)
+    d_o = d_o.to(device=device, dtype=dtype)
+
+    def run(kl_value_out):
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        res = flashmsa.msa_attention(*leaves, cu_arg, mode=mode, kl_value_out=kl_value_out, **opt)
+        ((res.out.float() * d_o.float()).sum() + 0.75 * res.kl_loss).backward()
+        return res, [t.grad for t in leaves]
+
+    ref, ref_grads = run(None)
+    buf = torch.full((), float("nan"), device=device)
+    res, grads = run(buf)
+    assert ref.kl_loss.item() > 0
+    assert res.kl_loss.item() == 0.0 and res.kl_loss.requires_grad
+    assert abs(buf.item() - ref.kl_loss.item()) <= kl_tol * ref.kl_loss.item()
+    assert rel_l2(res.out, ref.out) <= tol
+    for name, mine, want in zip(("dq", "dk", "dv", "dqp", "dkp"), grads, ref_grads):
+        assert rel_l2(mine, want) <= tol, name
+    assert rel_l2(grads[3], torch.zeros_like(grads[3])) > 0  # the proxy does get a gradient
+
+
+@pytest.mark.parametrize("layout", ["batch", "packed"])
+@pytest.mark.parametrize("mode", ["sparse", "warmup"])
+def test_kl_value_from_backward_cpu(layout, mode):
+    _kl_value_from_backward("cpu", torch.float32, CPU_CFG, CPU_OPT, mode, layout, 1e-5, 1e-5)
+
+
+def test_kl_value_out_without_backward():
+    """No backward can follow (grad mode off, or nothing requires grad): the forward forms the
+    value and writes it into kl_value_out itself."""
+    inputs, cu = _problem("packed", CPU_CFG, torch.float32, "cpu", seed=13)
+    want = flashmsa.msa_attention(*inputs, cu, **CPU_OPT).kl_loss.item()
+    buf = torch.full((1,), float("nan"))
+    with torch.no_grad():
+        res = flashmsa.msa_attention(*[t.requires_grad_() for t in inputs], cu,
+                                     kl_value_out=buf, **CPU_OPT)
+    assert res.kl_loss.item() == want and buf.item() == want
+    buf.fill_(float("nan"))
+    res = flashmsa.msa_attention(*[t.detach() for t in inputs], cu, kl_value_out=buf, **CPU_OPT)
+    assert buf.item() == want
+
+
+def test_kl_value_out_compile_cpu():
+    """torch.compile (fullgraph) carries the backward's write into kl_value_out."""
+    class WithKlOut(TinyMSA):
+        def forward(self, x, kl_value_out):
+            H, Hkv, Hp, Hpk, D, Dv, Dp = self.shape
+            lead = x.shape[:-1]
+            r = flashmsa.msa_attention(
+                self.wq(x).view(*lead, H, D), self.wk(x).view(*lead, Hkv, D),
+                self.wv(x).view(*lead, Hkv, Dv), self.wqp(x).view(*lead, Hp, Dp),
+                self.wkp(x).view(*lead, Hpk, Dp), kl_value_out=kl_value_out, **self.opt)
+            return self.wo(r.out.reshape(*lead, H * Dv)), r.kl_loss
+
+    torch.manual_seed(0)
+    model = WithKlOut(32, **CPU_CFG, attn=flashmsa.msa_attention, opt=CPU_OPT)
+    x = torch.randn(2, 80, 32)
+    _, kl_eager = TinyMSA.forward(model, x)  # the forward's own value
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    buf = torch.full((), float("nan"))
+    y, kl = compiled(x, buf)
+    assert kl.item() == 0.0 and torch.isnan(buf)
+    (y.square().mean() + kl).backward()
+    assert abs(buf.item() - kl_eager.item()) <= 1e-5 * kl_eager.item()
+    assert model.wqp.weight.grad is not None and model.wqp.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda: torch.zeros((), dtype=torch.float64), "float32"),
+    (lambda: torch.zeros(2), "one float32 value"),
+    (lambda: torch.zeros((), requires_grad=True), "require grad"),
+    (lambda: 0.0, "one float32 value"),
+])
+def test_kl_value_out_bad(bad, match):
+    inputs, cu = _problem("packed", CPU_CFG, torch.float32, "cpu", seed=9)
+    with pytest.raises(RuntimeError, match="'kl_value_out'.*" + match):
+        flashmsa.msa_attention(*inputs, cu, kl_value_out=bad(), **CPU_OPT)
+
+
+# --------------------------------------------------------------------------------------------
 # CUDA (the H200): the same checks on bf16 at the CUDA backend's sizes.
 
 @needs_cuda
@@ -410,6 +504,14 @@ def test_compile_fullgraph_cuda():
     assert abs(kl1.item() - kl0.item()) <= 1e-2 * abs(kl0.item())
     (y1.float().square().mean() + kl1).backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["sparse", "warmup"])
+def test_kl_value_from_backward_cuda(mode):
+    # bf16 on the GPU: the fast kernels' fp32 reduce-adds are not bitwise reproducible, and the
+    # forward's KL pass and the backward's fused KL sum in different orders.
+    _kl_value_from_backward("cuda", torch.bfloat16, CUDA_CFG, CUDA_OPT, mode, "packed", 1e-2, 1e-3)
 
 
 @needs_cuda
