@@ -4,7 +4,10 @@
 #                                     the PyTorch CUDA tests, the main job, the scale runs, the benchmark over
 #                                     every config). Build first: bash scripts/build_gpu_bundle.sh; carry
 #                                     ["scratch-gpu"]. ~9.5 min: STAGES="tests sanitizer python main scale"
-#                                     (~8 min) and STAGES=bench (~1.5 min) as two calls.
+#                                     (~8 min) and STAGES=bench (~1.5 min) as two calls. New since the
+#                                     56c1120 record: the 2 CUDA pytest tests of kl_value_out (the python
+#                                     stage) and the benchmark's op step with the KL value from the backward
+#                                     (flashmsa_step_kl_from_backward_ms; expected ~the C++ step, not ~62 ms).
 #   bash scripts/gpu_next.sh ab       docs/prepared/select-lpt.patch (compiled, not run) against main: the
 #                                     selector's grid longest-first over all proxy heads (tile-major, head
 #                                     fastest) instead of each head's tiles in turn. A host model of greedy
