@@ -3,8 +3,8 @@
 // The operators return fresh outputs and alias nothing; the one mutation is the backward's
 // optional kl_out (declared in its schema), which receives the kl_loss value when the forward was
 // asked not to form it. Autograd, fake tensors and torch.compile are all registered from Python
-// (flashmsa/__init__.py) on top of these two schemas. One C++ function serves both devices: the library dispatches on the
-// views' device itself; here we only pick the stream and device guard.
+// (flashmsa/__init__.py) on top of these two schemas. One C++ function serves both devices: the
+// library dispatches on the views' device itself; here we only pick the stream and device guard.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
