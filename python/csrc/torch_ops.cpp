@@ -289,12 +289,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward(
   Inputs in = make_inputs(q, k, v, qp, kp, cu_seqlens, cu_seqlens_host);
   const bool sparse = opt.mode == flashmsa::Mode::sparse;
   TORCH_CHECK(kl_grad.numel() == 1, "flashmsa: argument 'kl_grad' must hold one value");
-  check_kl_out(kl_out, q);
-  // Written in place (the schema declares it mutated): a non-contiguous or misaligned one is
-  // rejected rather than silently copied.
-  TORCH_CHECK(!kl_out || (kl_out->is_contiguous() &&
-                          reinterpret_cast<uintptr_t>(kl_out->data_ptr()) % 4 == 0),
-              "flashmsa: argument 'kl_out' must be contiguous and 4-byte aligned");
+  check_kl_out(kl_out, q);  // one fp32 element: always contiguous and aligned, written in place
   // Upstream gradients may be expanded scalars or a different float type; the kernels want
   // dense tensors of the input dtype (d_o) and one fp32 value (kl_grad), read on the device.
   Tensor d_o_c = prepare(d_o.to(in.q.scalar_type()));

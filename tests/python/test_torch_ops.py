@@ -381,7 +381,7 @@ def _kl_value_from_backward(device, dtype, cfg, opt, mode, layout, tol, kl_tol):
     assert rel_l2(res.out, ref.out) <= tol
     for name, mine, want in zip(("dq", "dk", "dv", "dqp", "dkp"), grads, ref_grads):
         assert rel_l2(mine, want) <= tol, name
-    assert rel_l2(grads[3], torch.zeros_like(grads[3])) > 0  # the proxy does get a gradient
+    assert grads[3].abs().sum() > 0  # the proxy does get a gradient
 
 
 @pytest.mark.parametrize("layout", ["batch", "packed"])
