@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The next device session's calls (twenty-seventh session: nothing prepared beyond the record).
+# The next device session's calls (prepared in the twenty-seventh session).
 #   bash scripts/gpu_next.sh          a full record on main's build (the GPU suite, the 34-test memcheck,
 #                                     the PyTorch CUDA tests, the main job, the scale runs, the benchmark over
 #                                     every config). Build first: bash scripts/build_gpu_bundle.sh; carry
@@ -9,6 +9,11 @@
 #                                     (carry it): the GPU forward and backward tests of each non-main variant
 #                                     with a tests_<name> binary, then gpu_ab.sh over $VARIANTS (default: every
 #                                     run_<name> in $AB_DIR) and $CONFIGS, every run checked against fp64.
+#                                     Prepared: docs/prepared/lse-two-wg.patch (the student lse with two
+#                                     warpgroups per CTA; compiled, not run), ~4 min with TEST_FILTER=
+#                                     'CudaBackward.*' and carry ["ab18"], built by
+#     git worktree add /tmp/two -b exp/lse-two-wg main && git -C /tmp/two am "$PWD/docs/prepared/lse-two-wg.patch"
+#     git worktree remove --force /tmp/two && bash scripts/build_variants.sh ab18 main=main two=exp/lse-two-wg:tests
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-record}
@@ -25,7 +30,8 @@ for b in "$D"/run_*; do
   name=${b##*/run_}
   variants+="${variants:+;}$name=$b"
   if [ "$name" != main ] && [ -x "$D/tests_$name" ]; then
-    timeout 240 "$D/tests_$name" --gtest_brief=1 --gtest_filter='CudaForward.*:CudaBackward.*' > "$OUT/tests_$name.log" 2>&1
+    timeout 240 "$D/tests_$name" --gtest_brief=1 --gtest_filter="${TEST_FILTER:-CudaForward.*:CudaBackward.*}" \
+      > "$OUT/tests_$name.log" 2>&1
     echo "$name tests: exit $?"; grep -E "FAILED|PASSED" "$OUT/tests_$name.log" | tail -n 8
   fi
 done
