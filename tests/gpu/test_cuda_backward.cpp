@@ -666,6 +666,40 @@ TEST(CudaBackward, TokenRowsGroupOf16ManyShortSequences) {
   check_token_rows(shape(16, 1, 1, 1, 128, 4, lengths), 51);
 }
 
+// The prelude's zeroing, deterministic factors and per-row terms run on a helper stream beside the
+// student lse (FLASHMSA_BWD_SIDE_STREAM=0: all on the caller's). Both layouts within the CPU
+// backend's tolerances, and deterministic mode's bits the same in both: a missing ordering (an
+// accumulator zeroed after the main kernel began, di or lse_s read early) changes them.
+void check_side_stream(const Shape& s, uint64_t seed) {
+  Setup st;
+  make_setup(st, s, seed, true, 0.8f);
+  const Grads cpu = run_cpu(st);
+  DeviceSide d;
+  upload(d, st);
+  const Grads fast_side = run_gpu(d, st, false);
+  const Grads det_side = run_gpu(d, st, true);
+  compare(fast_side, cpu, "fast, side stream");
+  compare(det_side, cpu, "det, side stream");
+  gputest::ScopedEnv one("FLASHMSA_BWD_SIDE_STREAM", "0");
+  const Grads fast_one = run_gpu(d, st, false);
+  const Grads det_one = run_gpu(d, st, true);
+  compare(fast_one, cpu, "fast, one stream");
+  EXPECT_TRUE(det_one.raw == det_side.raw) << "deterministic gradients differ between the prelude's layouts";
+  EXPECT_EQ(float_bits(det_one.kl), float_bits(det_side.kl)) << "deterministic kl differs between the layouts";
+}
+
+TEST(CudaBackward, SideStreamPreludeTokenRows) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_side_stream(shape(64, 4, 4, 1, 128, 16, {3000, 333}), 53);
+}
+
+TEST(CudaBackward, SideStreamPreludeSharedKv) {
+  GPUTEST_REQUIRE_DEVICE();
+  // fm16k's ratios (groups of 4 heads, two per kv head) and a D = 64 shape (the mma.sync kernels).
+  check_side_stream(shape(16, 2, 4, 1, 128, 16, {2500, 129}), 54);
+  check_side_stream(shape(8, 2, 2, 1, 64, 3, {300, 1000, 5, 129}), 55);
+}
+
 // Heavy-tailed inputs for the token-row DET form's int32 dq: one key channel 30x the rest (an
 // outlier channel, as trained models have) and one token's dO 100x every other token's. A
 // per-tensor fixed-point scale leaves the other rows few bits (a numerical model of these inputs:

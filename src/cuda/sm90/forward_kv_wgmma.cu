@@ -118,6 +118,7 @@
 #include "common/fixed_point.cuh"
 #include "common/mma.cuh"
 #include "common/selection_index.cuh"
+#include "common/stream_fork.h"
 #include "common/tma.cuh"
 #include "common/wgmma.cuh"
 
@@ -864,7 +865,7 @@ int env_int(const char* name, long lo, long hi, int fallback) {
 // FLASHMSA_FWD_STREAMS (1 .. kMaxStreams): how many proxy groups run their (finprep, main)
 // sequences concurrently, each on its own helper stream with its own accumulator. 1 keeps
 // everything on the caller's stream (no events).
-constexpr int kMaxStreams = 4;
+constexpr int kMaxStreams = kMaxHelperStreams;
 constexpr int kDefaultStreams = 2;
 int stream_count() { return env_int("FLASHMSA_FWD_STREAMS", 1, kMaxStreams, kDefaultStreams); }
 
@@ -988,112 +989,6 @@ KvwPlan plan_kvw(const MsaParams& p, int streams) {
     C = std::max(kBlk, C - std::max(kBlk, C / 8 / kBlk * kBlk));
   }
 }
-
-// Helper stream i of `device` for the calling host thread: created on first use (non-blocking, so
-// the legacy default stream does not serialise against it; in relaxed capture mode, so that a first
-// use inside a capture is legal), cached per thread and never destroyed: up to kMaxStreams per
-// device for each host thread that calls flashmsa (a program that keeps starting new threads keeps
-// adding them; destroying them at thread exit could cut a capture another thread still holds).
-// Per thread because a capture that forks onto them keeps them until it ends: another thread's
-// work on them would be captured too.
-cudaStream_t helper_stream(int device, int i) {
-  thread_local std::vector<std::vector<cudaStream_t>> cache;
-  if (static_cast<int>(cache.size()) <= device) cache.resize(static_cast<size_t>(device) + 1);
-  std::vector<cudaStream_t>& mine = cache[static_cast<size_t>(device)];
-  while (static_cast<int>(mine.size()) <= i) {
-    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-    FLASHMSA_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
-    cudaStream_t st = nullptr;
-    const cudaError_t err = cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
-    cudaThreadExchangeStreamCaptureMode(&mode);
-    FLASHMSA_CUDA_CHECK(err);
-    mine.push_back(st);
-  }
-  return mine[static_cast<size_t>(i)];
-}
-
-// How many of `want` lanes a call on `stream` may use. Its helper streams join a capture of `stream`
-// and stay in it until that capture ends, so they can be forked when they are in no capture (they
-// then join the caller's, if it captures) or already in the caller's; when one is in another
-// capture (this thread captures a different stream while making this call eagerly), one lane.
-int usable_lanes(cudaStream_t stream, int device, int want) {
-  if (want <= 1) return want;
-  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-  unsigned long long cid = 0;
-  FLASHMSA_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &cs, &cid));
-  if (cs == cudaStreamCaptureStatusInvalidated) return 1;
-  for (int i = 0; i < want; ++i) {
-    cudaStreamCaptureStatus hs = cudaStreamCaptureStatusNone;
-    unsigned long long hid = 0;
-    FLASHMSA_CUDA_CHECK(cudaStreamGetCaptureInfo(helper_stream(device, i), &hs, &hid));
-    if (hs == cudaStreamCaptureStatusInvalidated) return 1;
-    if (hs == cudaStreamCaptureStatusActive && (cs != cudaStreamCaptureStatusActive || hid != cid)) return 1;
-  }
-  return want;
-}
-
-// Fork of the caller's stream into n helper streams and the join back (event record + stream
-// wait only). Every event is created up front, so the error paths (the constructor's catch, the
-// destructor) only record and wait: no helper is ever left unjoined while the caller goes on to
-// free the workspace. Events are destroyed once their wait is enqueued (the runtime keeps a
-// recorded event's resources until it completes).
-class StreamFork {
- public:
-  // n = 0: no helpers, nothing recorded (the caller's stream does all the work).
-  StreamFork(cudaStream_t caller, int device, int n) : caller_(caller) {
-    if (n <= 0) return;
-    cudaEvent_t fork = nullptr;
-    FLASHMSA_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
-    try {
-      for (int i = 0; i < n; ++i) {
-        cudaEvent_t ev = nullptr;
-        FLASHMSA_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
-        joins_.push_back(ev);
-      }
-      FLASHMSA_CUDA_CHECK(cudaEventRecord(fork, caller));
-      for (int i = 0; i < n; ++i) {
-        cudaStream_t st = helper_stream(device, i);
-        FLASHMSA_CUDA_CHECK(cudaStreamWaitEvent(st, fork, 0));
-        helpers_.push_back(st);
-      }
-    } catch (...) {
-      cudaEventDestroy(fork);
-      release();
-      throw;
-    }
-    cudaEventDestroy(fork);
-  }
-  StreamFork(const StreamFork&) = delete;
-  StreamFork& operator=(const StreamFork&) = delete;
-  ~StreamFork() { release(); }
-  cudaStream_t operator[](int i) const { return helpers_[static_cast<size_t>(i)]; }
-  // The caller's stream waits for every helper; throws on a CUDA error (the destructor then
-  // joins the helpers not yet joined).
-  void join() {
-    while (!helpers_.empty()) {
-      const size_t i = helpers_.size() - 1;
-      FLASHMSA_CUDA_CHECK(cudaEventRecord(joins_[i], helpers_[i]));
-      FLASHMSA_CUDA_CHECK(cudaStreamWaitEvent(caller_, joins_[i], 0));
-      helpers_.pop_back();
-    }
-  }
-
- private:
-  // Joins what is still forked (unchecked: an error is already in flight) and frees the events.
-  void release() noexcept {
-    while (!helpers_.empty()) {
-      const size_t i = helpers_.size() - 1;
-      if (cudaEventRecord(joins_[i], helpers_[i]) == cudaSuccess) cudaStreamWaitEvent(caller_, joins_[i], 0);
-      helpers_.pop_back();
-    }
-    for (cudaEvent_t ev : joins_) cudaEventDestroy(ev);
-    joins_.clear();
-  }
-
-  cudaStream_t caller_;
-  std::vector<cudaStream_t> helpers_;
-  std::vector<cudaEvent_t> joins_;  // joins_[i] for helpers_[i]
-};
 
 // The deterministic form's fixed-point factors (fx: [3] = max|v| as float bits, fx_o, fx_l):
 // fx_l (int64) from l <= K blocks x kOverflowSumDet (det_sum flags a larger block sum);

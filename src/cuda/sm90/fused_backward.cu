@@ -43,6 +43,7 @@
 #include "common/fixed_point.cuh"
 #include "common/metadata.cuh"
 #include "common/selection_index.cuh"
+#include "common/stream_fork.h"
 #include "launchers.h"
 #include "sm90/backward_dq.cuh"
 #include "sm90/backward_kernels.cuh"
@@ -365,7 +366,7 @@ void launch_kl_final(const MsaParams& p, cudaStream_t stream, const float* kl_pa
 
 template <int D>
 void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, const float* di,
-                 float* part_max, float* part_sum, float* lse_s, void* dq_acc, void* dqp_acc,
+                 const float* lse_s, void* dq_acc, void* dqp_acc,
                  void* dk_acc, void* dv_acc, void* dkp_acc, const float* fx, const float* row_fx,
                  float* kl_part, bool main_owned, bool kl_owned, int nseg, bool fold, int token_rows) {
   const auto* q = static_cast<const bf16*>(p.q);
@@ -373,8 +374,6 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
   const auto* v = static_cast<const bf16*>(p.v);
   const auto* qp = static_cast<const bf16*>(p.qp);
   const auto* kp = static_cast<const bf16*>(p.kp);
-
-  launch_student_lse<D>(p, stream, ix, part_max, part_sum, lse_s);
 
   const float c_base = kl_c_base(p);
   const unsigned attn_grid = static_cast<unsigned>(ix.NB) * nseg;
@@ -663,15 +662,24 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   const bwd::Index ix = make_index(p, sel, ws);
   build_selection_index(p, sel, ws, stream);
 
-  FLASHMSA_CUDA_CHECK(cudaMemsetAsync(ws.at<void>(o_acc_begin), 0, o_acc_end - o_acc_begin, stream));
-  if (side_bytes > 0) FLASHMSA_CUDA_CHECK(cudaMemsetAsync(p.dq, 0, side_bytes, stream));
+  // The accumulators' zeroing, the deterministic factors and the per-row terms (HBM-bound) run on
+  // a helper stream beside the student lse (latency-bound, three CTAs per SM with room left for
+  // them) on the caller's; both are joined before the main kernel. FLASHMSA_BWD_SIDE_STREAM=0
+  // keeps them on the caller's stream (A/B timing; read per call).
+  int device = 0;
+  FLASHMSA_CUDA_CHECK(cudaGetDevice(&device));
+  const bool fork_side = !env_is("FLASHMSA_BWD_SIDE_STREAM", "0") && usable_lanes(stream, device, 2) > 1;
+  StreamFork fork(stream, device, fork_side ? 1 : 0);
+  const cudaStream_t side = fork.size() > 0 ? fork[0] : stream;
+  FLASHMSA_CUDA_CHECK(cudaMemsetAsync(ws.at<void>(o_acc_begin), 0, o_acc_end - o_acc_begin, side));
+  if (side_bytes > 0) FLASHMSA_CUDA_CHECK(cudaMemsetAsync(p.dq, 0, side_bytes, side));
   auto acc_ptr = [&](const AccAt& a) -> void* {
     return a.in_dq ? static_cast<void*>(static_cast<unsigned char*>(p.dq) + a.offset) : ws.at<void>(a.offset);
   };
   const float* fx = nullptr;
   unsigned int* amax = det ? ws.at<unsigned int>(o_amax) : nullptr;
   if (det) {
-    FLASHMSA_CUDA_CHECK(cudaMemsetAsync(amax, 0, 8 * sizeof(unsigned int), stream));
+    FLASHMSA_CUDA_CHECK(cudaMemsetAsync(amax, 0, 8 * sizeof(unsigned int), side));
     const void* tensors[7] = {p.q, p.k, p.v, p.o, p.d_o, p.qp, p.kp};
     const int64_t sizes[7] = {T * p.H * p.D, T * p.Hkv * p.D, T * p.Hkv * p.Dv, T * p.H * p.Dv,
                               T * p.H * p.Dv, T * p.Hp * p.Dp, T * p.Hpk * p.Dp};
@@ -686,11 +694,11 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
     const bool needed[7] = {true, true, true, main_bounds, main_bounds, true, true};
     for (int i = 0; i < 7; ++i) {
       if (!needed[i]) continue;  // its amax stays 0: the factors that use it are never read
-      absmax_kernel<<<grid_for(sizes[i] / 8, 256, 4096), 256, 0, stream>>>(
+      absmax_kernel<<<grid_for(sizes[i] / 8, 256, 4096), 256, 0, side>>>(
           static_cast<const bf16*>(tensors[i]), sizes[i] / 8, amax + i);
       FLASHMSA_CHECK_LAUNCH();
     }
-    fixed_point_kernel<<<1, 1, 0, stream>>>(amax, p.scale, p.proxy_scale, p.Dv, static_cast<float>(T),
+    fixed_point_kernel<<<1, 1, 0, side>>>(amax, p.scale, p.proxy_scale, p.Dv, static_cast<float>(T),
                                             static_cast<float>(r), static_cast<float>(p.Hp / p.Hpk),
                                             kl_c_base(p), p.kl_grad, ws.at<float>(o_fx));
     FLASHMSA_CHECK_LAUNCH();
@@ -700,10 +708,18 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // ---- per-row terms (after the maxima: the int32 dq's per-row factors use max|k|, max|v|) ----
   const int64_t rows = T * p.H;
   float* row_fx = dq_kv_int32 ? ws.at<float>(o_row_fx) : nullptr;
-  di_kernel<<<grid_for(rows * 16, 256, INT_MAX), 256, 0, stream>>>(
+  di_kernel<<<grid_for(rows * 16, 256, INT_MAX), 256, 0, side>>>(
       static_cast<const bf16*>(p.o), static_cast<const bf16*>(p.d_o), rows, p.Dv, ws.at<float>(o_di), amax,
       p.scale, row_fx, fx);
   FLASHMSA_CHECK_LAUNCH();
+
+  if (p.D == 64)
+    launch_student_lse<64>(p, stream, ix, static_cast<float*>(acc_ptr(at_pmax)), static_cast<float*>(acc_ptr(at_psum)),
+                           ws.at<float>(o_lse_s));
+  else
+    launch_student_lse<128>(p, stream, ix, static_cast<float*>(acc_ptr(at_pmax)),
+                            static_cast<float*>(acc_ptr(at_psum)), ws.at<float>(o_lse_s));
+  fork.join();
 
   if (dq_query_major) launch_backward_dq(p, dq_items, ws.at<float>(o_di), stream);
   void* dq_acc = dq_query_major ? nullptr : ws.at<void>(o_dq);
@@ -713,9 +729,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   void* dkp_acc = dkp_in_acc ? acc_ptr(at_dkp) : nullptr;
   auto run = [&](auto tag) {
     constexpr int D = decltype(tag)::value;
-    run_kernels<D>(p, stream, ix, ws.at<float>(o_di), static_cast<float*>(acc_ptr(at_pmax)),
-                   static_cast<float*>(acc_ptr(at_psum)),
-                   ws.at<float>(o_lse_s), dq_acc, dqp_acc, dk_acc, dv_acc, dkp_acc, fx, row_fx,
+    run_kernels<D>(p, stream, ix, ws.at<float>(o_di), ws.at<float>(o_lse_s), dq_acc, dqp_acc, dk_acc, dv_acc, dkp_acc, fx, row_fx,
                    ws.at<float>(o_kl_part), main_owned, kl_owned, nseg, fold, token_rows);
   };
   if (p.D == 64) run(std::integral_constant<int, 64>{});
