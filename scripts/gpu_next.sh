@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
-# The next device session's calls (prepared in the twenty-seventh session).
-#   bash scripts/gpu_next.sh          a full record on main's build (the GPU suite, the 34-test memcheck,
+# The next device session's calls (prepared in the twenty-eighth session).
+#   bash scripts/gpu_next.sh          a full record on main's build (the GPU suite, the 36-test memcheck,
 #                                     the PyTorch CUDA tests, the main job, the scale runs, the benchmark over
 #                                     every config). Build first: bash scripts/build_gpu_bundle.sh; carry
 #                                     ["scratch-gpu"]. ~9.5 min: STAGES="tests sanitizer python main scale"
-#                                     (~8 min) and STAGES=bench (~1.5 min) as two calls.
+#                                     (~7.5 min) and STAGES=bench (~1.5 min) as two calls.
 #   bash scripts/gpu_next.sh ab       an A/B of binaries built by scripts/build_variants.sh into $AB_DIR
 #                                     (carry it): the GPU forward and backward tests of each non-main variant
 #                                     with a tests_<name> binary, then gpu_ab.sh over $VARIANTS (default: every
 #                                     run_<name> in $AB_DIR) and $CONFIGS, every run checked against fp64.
-#                                     Prepared: docs/prepared/lse-two-wg.patch (the student lse with two
-#                                     warpgroups per CTA; compiled, not run), ~4 min with TEST_FILTER=
-#                                     'CudaBackward.*' and carry ["ab18"], built by
-#     git worktree add /tmp/two -b exp/lse-two-wg main && git -C /tmp/two am "$PWD/docs/prepared/lse-two-wg.patch"
-#     git worktree remove --force /tmp/two && bash scripts/build_variants.sh ab18 main=main two=exp/lse-two-wg:tests
+#                                     Prepared (compiled, not run): docs/prepared/dq-issue-spread.patch (the
+#                                     backward's per-WG dQ / dqp bulk reduce-adds issued by all 4 warps of a WG)
+#                                     and bwd-step-counter.patch on top (the step's head index counted, not
+#                                     divided); ~6 min with TEST_FILTER='CudaBackward.*:CudaGraph.*' and carry
+#                                     ["ab20"], built by
+#     for b in dq-issue-spread bwd-step-counter; do git worktree add /tmp/$b -b exp/$b main; done
+#     git -C /tmp/dq-issue-spread am "$PWD/docs/prepared/dq-issue-spread.patch"
+#     git -C /tmp/bwd-step-counter am "$PWD/docs/prepared/dq-issue-spread.patch" "$PWD/docs/prepared/bwd-step-counter.patch"
+#     git worktree remove --force /tmp/dq-issue-spread; git worktree remove --force /tmp/bwd-step-counter
+#     bash scripts/build_variants.sh ab20 main=main sp=exp/dq-issue-spread:tests sc=exp/bwd-step-counter:tests
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-record}
