@@ -14,8 +14,8 @@ namespace flashmsa::cuda {
 constexpr int kMaxHelperStreams = 4;
 cudaStream_t helper_stream(int device, int i);
 
-// How many of `want` lanes (the caller's stream and want - 1 helpers, or want helpers) a call on
-// `stream` may use: `want`, or 1 where a helper is taken by another capture.
+// How many lanes a call on `stream` may use, given `want`: `want` when helpers 0 .. want - 1 may be
+// forked (none is in another capture), else 1 (the caller's stream alone).
 int usable_lanes(cudaStream_t stream, int device, int want);
 
 // Fork of the caller's stream into n helper streams and the join back (event record + stream

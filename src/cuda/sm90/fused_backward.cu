@@ -665,7 +665,8 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // The accumulators' zeroing, the deterministic factors and the per-row terms (HBM-bound) run on
   // a helper stream beside the student lse (latency-bound, three CTAs per SM with room left for
   // them) on the caller's; both are joined before the main kernel. FLASHMSA_BWD_SIDE_STREAM=0
-  // keeps them on the caller's stream (A/B timing; read per call).
+  // keeps them on the caller's stream (A/B timing; read per call). The lane check covers helpers 0
+  // and 1 (the forward's two lanes); only helper 0 is forked.
   int device = 0;
   FLASHMSA_CUDA_CHECK(cudaGetDevice(&device));
   const bool fork_side = !env_is("FLASHMSA_BWD_SIDE_STREAM", "0") && usable_lanes(stream, device, 2) > 1;
@@ -729,8 +730,8 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   void* dkp_acc = dkp_in_acc ? acc_ptr(at_dkp) : nullptr;
   auto run = [&](auto tag) {
     constexpr int D = decltype(tag)::value;
-    run_kernels<D>(p, stream, ix, ws.at<float>(o_di), ws.at<float>(o_lse_s), dq_acc, dqp_acc, dk_acc, dv_acc, dkp_acc, fx, row_fx,
-                   ws.at<float>(o_kl_part), main_owned, kl_owned, nseg, fold, token_rows);
+    run_kernels<D>(p, stream, ix, ws.at<float>(o_di), ws.at<float>(o_lse_s), dq_acc, dqp_acc, dk_acc, dv_acc,
+                   dkp_acc, fx, row_fx, ws.at<float>(o_kl_part), main_owned, kl_owned, nseg, fold, token_rows);
   };
   if (p.D == 64) run(std::integral_constant<int, 64>{});
   else run(std::integral_constant<int, 128>{});
