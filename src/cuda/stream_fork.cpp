@@ -28,24 +28,23 @@ cudaStream_t helper_stream(int device, int i) {
   return mine[static_cast<size_t>(i)];
 }
 
-// How many of `want` lanes a call on `stream` may use. Its helper streams join a capture of `stream`
-// and stay in it until that capture ends, so they can be forked when they are in no capture (they
-// then join the caller's, if it captures) or already in the caller's; when one is in another
-// capture (this thread captures a different stream while making this call eagerly), one lane.
-int usable_lanes(cudaStream_t stream, int device, int want) {
-  if (want <= 1) return want;
+// Helpers join a capture of `stream` and stay in it until that capture ends, so they can be forked
+// when they are in no capture (they then join the caller's, if it captures) or already in the
+// caller's; not when one is in another capture (this thread captures a different stream while making
+// this call eagerly).
+bool helpers_usable(cudaStream_t stream, int device, int n) {
   cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
   unsigned long long cid = 0;
   FLASHMSA_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &cs, &cid));
-  if (cs == cudaStreamCaptureStatusInvalidated) return 1;
-  for (int i = 0; i < want; ++i) {
+  if (cs == cudaStreamCaptureStatusInvalidated) return false;
+  for (int i = 0; i < n; ++i) {
     cudaStreamCaptureStatus hs = cudaStreamCaptureStatusNone;
     unsigned long long hid = 0;
     FLASHMSA_CUDA_CHECK(cudaStreamGetCaptureInfo(helper_stream(device, i), &hs, &hid));
-    if (hs == cudaStreamCaptureStatusInvalidated) return 1;
-    if (hs == cudaStreamCaptureStatusActive && (cs != cudaStreamCaptureStatusActive || hid != cid)) return 1;
+    if (hs == cudaStreamCaptureStatusInvalidated) return false;
+    if (hs == cudaStreamCaptureStatusActive && (cs != cudaStreamCaptureStatusActive || hid != cid)) return false;
   }
-  return want;
+  return true;
 }
 
 }  // namespace flashmsa::cuda

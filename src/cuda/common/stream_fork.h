@@ -14,9 +14,14 @@ namespace flashmsa::cuda {
 constexpr int kMaxHelperStreams = 4;
 cudaStream_t helper_stream(int device, int i);
 
-// How many lanes a call on `stream` may use, given `want`: `want` when helpers 0 .. want - 1 may be
-// forked (none is in another capture), else 1 (the caller's stream alone).
-int usable_lanes(cudaStream_t stream, int device, int want);
+// Whether a call on `stream` may fork onto helpers 0 .. n - 1 (none is in another capture).
+bool helpers_usable(cudaStream_t stream, int device, int n);
+
+// How many of `want` lanes (one helper each) a call on `stream` may use: `want`, or 1 (the caller's
+// stream alone) where a helper is taken by another capture.
+inline int usable_lanes(cudaStream_t stream, int device, int want) {
+  return want <= 1 || helpers_usable(stream, device, want) ? want : 1;
+}
 
 // Fork of the caller's stream into n helper streams and the join back (event record + stream
 // wait only). Every event is created up front, so the error paths (the constructor's catch, the
@@ -53,7 +58,6 @@ class StreamFork {
   StreamFork& operator=(const StreamFork&) = delete;
   ~StreamFork() { release(); }
   cudaStream_t operator[](int i) const { return helpers_[static_cast<size_t>(i)]; }
-  int size() const { return static_cast<int>(helpers_.size()); }
   // The caller's stream waits for every helper; throws on a CUDA error (the destructor then
   // joins the helpers not yet joined).
   void join() {

@@ -665,13 +665,12 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // The accumulators' zeroing, the deterministic factors and the per-row terms (HBM-bound) run on
   // a helper stream beside the student lse (latency-bound, three CTAs per SM with room left for
   // them) on the caller's; both are joined before the main kernel. FLASHMSA_BWD_SIDE_STREAM=0
-  // keeps them on the caller's stream (A/B timing; read per call). The lane check covers helpers 0
-  // and 1 (the forward's two lanes); only helper 0 is forked.
+  // keeps them on the caller's stream (A/B timing; read per call).
   int device = 0;
   FLASHMSA_CUDA_CHECK(cudaGetDevice(&device));
-  const bool fork_side = !env_is("FLASHMSA_BWD_SIDE_STREAM", "0") && usable_lanes(stream, device, 2) > 1;
+  const bool fork_side = !env_is("FLASHMSA_BWD_SIDE_STREAM", "0") && helpers_usable(stream, device, 1);
   StreamFork fork(stream, device, fork_side ? 1 : 0);
-  const cudaStream_t side = fork.size() > 0 ? fork[0] : stream;
+  const cudaStream_t side = fork_side ? fork[0] : stream;
   FLASHMSA_CUDA_CHECK(cudaMemsetAsync(ws.at<void>(o_acc_begin), 0, o_acc_end - o_acc_begin, side));
   if (side_bytes > 0) FLASHMSA_CUDA_CHECK(cudaMemsetAsync(p.dq, 0, side_bytes, side));
   auto acc_ptr = [&](const AccAt& a) -> void* {
