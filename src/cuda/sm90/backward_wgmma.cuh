@@ -529,13 +529,14 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     if (s < steps) mbarrier_wait(full + (s & (L::kStages - 1)), (s >> L::kStageLog) & 1);
     fence_proxy_async_shared();  // the stage was written by cp.async (generic proxy); wgmma reads it
   };
-  auto issue_into = [&](float (&acc)[32], int s) {
+  // head_step: s % (m + 1) < m (a runtime division; the main loop passes its step counter's).
+  auto issue_as = [&](float (&acc)[32], int s, bool head_step) {
     const int st = s & (L::kStages - 1);
     wgmma_fence();
-    ss_kmajor_64x64(acc, (s % (m + 1) < m ? k_base : kp_base) + 64 * cw * 128, kBlk,
-                    smem_u32(sQ + st * L::kTokTile));
+    ss_kmajor_64x64(acc, (head_step ? k_base : kp_base) + 64 * cw * 128, kBlk, smem_u32(sQ + st * L::kTokTile));
     wgmma_commit();
   };
+  auto issue_into = [&](float (&acc)[32], int s) { issue_as(acc, s, s % (m + 1) < m); };
   auto issue_first = [&](int s) { issue_into(s1, s); };
 
   if (steps > 0) {
@@ -620,8 +621,10 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       if (s + 1 < steps) kl_step(s2, mb, s + 1);
     }
   }
-  for (int s = 0; !KL_ONLY && s < steps; ++s) {
-    const int st = s & (L::kStages - 1), hi = s % (m + 1);
+  // hi = s % (m + 1), counted rather than divided (a runtime m: ~2.5% of the consumers' stall
+  // samples sat on the division at fm16k, bench/results/h200_f5a6881_fm16k_bwd_regions.md).
+  for (int s = 0, hi = 0; !KL_ONLY && s < steps; ++s, hi = hi == m ? 0 : hi + 1) {
+    const int st = s & (L::kStages - 1);
     const bool head = hi < m;
     const TokMeta& tm = meta[st];  // the full barrier of stage st was waited in wait_full(s)
     const uint32_t q_st = smem_u32(sQ + st * L::kTokTile);
@@ -838,7 +841,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       }
     }
     wait_full(s + 1);
-    issue_first(s + 1);
+    issue_as(s1, s + 1, hi == m || hi + 1 < m);  // step s + 1's S^T: head unless hi + 1 == m
     if constexpr (DET && RM == 0) continue;  // S^T of step s+1 stays in flight into the next step
     wgmma_wait<1>();  // dQ / dqp done
     wgmma_fence_operands(dq);
