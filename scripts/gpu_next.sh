@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The next device session's calls (prepared in the twenty-eighth session).
+# The next device session's calls (as of the twenty-ninth session).
 #   bash scripts/gpu_next.sh          a full record on main's build (the GPU suite, the 36-test memcheck,
 #                                     the PyTorch CUDA tests, the main job, the scale runs, the benchmark over
 #                                     every config). Build first: bash scripts/build_gpu_bundle.sh; carry
@@ -9,16 +9,9 @@
 #                                     (carry it): the GPU forward and backward tests of each non-main variant
 #                                     with a tests_<name> binary, then gpu_ab.sh over $VARIANTS (default: every
 #                                     run_<name> in $AB_DIR) and $CONFIGS, every run checked against fp64.
-#                                     Prepared (compiled, not run): docs/prepared/dq-issue-spread.patch (the
-#                                     backward's per-WG dQ / dqp bulk reduce-adds issued by all 4 warps of a WG)
-#                                     and bwd-step-counter.patch on top (the step's head index counted, not
-#                                     divided); ~6 min with TEST_FILTER='CudaBackward.*:CudaGraph.*' and carry
-#                                     ["ab20"], built by
-#     for b in dq-issue-spread bwd-step-counter; do git worktree add /tmp/$b -b exp/$b main; done
-#     git -C /tmp/dq-issue-spread am "$PWD/docs/prepared/dq-issue-spread.patch"
-#     git -C /tmp/bwd-step-counter am "$PWD/docs/prepared/dq-issue-spread.patch" "$PWD/docs/prepared/bwd-step-counter.patch"
-#     git worktree remove --force /tmp/dq-issue-spread; git worktree remove --force /tmp/bwd-step-counter
-#     bash scripts/build_variants.sh ab20 main=main sp=exp/dq-issue-spread:tests sc=exp/bwd-step-counter:tests
+#                                     Nothing is prepared at the moment; e.g. with
+#     bash scripts/build_variants.sh ab21 main=main x=exp/some-branch:tests
+#     and carry ["ab21"]: AB_DIR=ab21 TEST_FILTER='CudaBackward.*:CudaGraph.*' bash scripts/gpu_next.sh ab
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-record}
