@@ -537,13 +537,12 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     wgmma_commit();
   };
   auto issue_into = [&](float (&acc)[32], int s) { issue_as(acc, s, s % (m + 1) < m); };
-  auto issue_first = [&](int s) { issue_into(s1, s); };
 
   if (steps > 0) {
     mbarrier_wait(kv_full, 0);
     fence_proxy_async_shared();
     wait_full(0);
-    issue_first(0);
+    issue_into(s1, 0);
   }
 
   if constexpr (KL_ONLY) {
