@@ -3,9 +3,11 @@
 # main job with a full CPU comparison, the PyTorch CUDA tests and the benchmark against peers.
 # Results (logs, JSON) go to $OUT. Binaries are built on the workstation for sm_90a first:
 #   bash scripts/build_gpu_bundle.sh      # -> scratch-gpu/ (flashmsa_gpu_tests, flashmsa_run, _C.so)
-# and the device call carries scratch-gpu. Stages: tests sanitizer main python scale bench (default:
-# all); `scale` runs the main job at m3 64k (phase split, memory), 1M tokens, deterministic 64k, fm16k and
-# the dense warm-up at 16k (with --graph: the step captured in a CUDA graph, too).
+# and the device call carries scratch-gpu. Stages, as arguments or in $STAGES: tests sanitizer main
+# python scale bench (default: all); `scale` runs the main job at m3 64k (phase split, memory), 1M
+# tokens, deterministic 64k, fm16k and the dense warm-up at 16k (with --graph: the step captured in a
+# CUDA graph, too). `timeline` (not in the default) lists one op step's kernels with their streams and
+# the GPU's idle time at m3 64k / 32k and fm16k.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-scratch-gpu}
@@ -19,7 +21,7 @@ LOGS=$(mktemp -d)
 mkdir -p "$OUT"
 pack() { tar czf "$OUT/gpu_check.tgz" -C "$LOGS" . ; cp "$LOGS"/*.json "$OUT"/ 2>/dev/null; }
 trap pack EXIT
-STAGES=${*:-tests sanitizer main python scale bench}
+STAGES=${*:-${STAGES:-tests sanitizer main python scale bench}}  # arguments, else $STAGES, else all
 status=0
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 run_stage() {  # name, command...: logs to $LOGS/<name>.log, remembers failures
@@ -52,6 +54,12 @@ if has scale; then
     --check-keys 1 --graph --json "$LOGS/fm16k.json"
   run_stage m3_16k_warmup "$BIN/flashmsa_run" --device cuda --seqlen 16384 --mode warmup --check-tokens 2 \
     --check-keys 0 --graph --json "$LOGS/m3_16k_warmup.json"
+fi
+if has timeline; then  # kernels with streams and idle time of one op step (torch.profiler)
+  run_stage timeline_m3_64k python3 bench/timeline.py --json "$LOGS/timeline_m3_64k.json"
+  run_stage timeline_m3_32k python3 bench/timeline.py --seqlen 32768 --json "$LOGS/timeline_m3_32k.json"
+  run_stage timeline_fm16k python3 bench/timeline.py --seqlen 16384 --heads 16 --kv-heads 2 \
+    --json "$LOGS/timeline_fm16k.json"
 fi
 has bench && run_stage bench timeout "${BENCH_TIMEOUT:-420}" python3 bench/bench_gpu.py --out "$LOGS/bench.json" \
   --phases "$BIN/flashmsa_run" ${BENCH_ARGS:-}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The next device session's calls (as of the twenty-ninth session).
+# The next device session's calls (as of the thirtieth session).
 #   bash scripts/gpu_next.sh          a full record on main's build (the GPU suite, the 36-test memcheck,
 #                                     the PyTorch CUDA tests, the main job, the scale runs, the benchmark over
 #                                     every config). Build first: bash scripts/build_gpu_bundle.sh; carry
