@@ -33,6 +33,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--json")
     args = ap.parse_args()
+    if not torch.cuda.is_available() or not flashmsa.cuda_built():
+        raise SystemExit("bench/timeline.py: needs a CUDA device and flashmsa built with CUDA")
+    if args.steps < 1:
+        raise SystemExit("bench/timeline.py: --steps must be >= 1")
     S, H, Hkv, Hp, D = args.seqlen, args.heads, args.kv_heads, args.proxy_heads, 128
     bf = torch.bfloat16
     torch.manual_seed(0)
