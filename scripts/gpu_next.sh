@@ -16,7 +16,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-record}
 if [ "$mode" = record ]; then
-  exec bash scripts/gpu_check.sh ${STAGES:-tests sanitizer python main scale bench}
+  exec bash scripts/gpu_check.sh  # its stages: $STAGES, else all
 fi
 OUT=${OUT:-/tmp/flashmsa-next}
 mkdir -p "$OUT"
