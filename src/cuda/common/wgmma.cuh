@@ -82,11 +82,13 @@ __device__ __forceinline__ uint64_t wgmma_desc_advance(uint64_t desc, uint32_t b
 // swizzled: offset from the first 8 K columns to the next 8). In our tile the next 64 M/N
 // elements are the next slab (LBO = slab_bytes; used only when N = 128 spans two slabs) and the
 // next 8 K rows are 1024 bytes further (SBO = 1024). Both fit the 14-bit fields up to R = 2047.
-__device__ __forceinline__ uint64_t wgmma_desc_sw128_mn(uint32_t addr, uint32_t slab_bytes) {
+// Tiles whose slabs' 8-row groups are interleaved ([group][slab][8 rows]) pass LBO = 1024 and
+// sbo = 2048.
+__device__ __forceinline__ uint64_t wgmma_desc_sw128_mn(uint32_t addr, uint32_t slab_bytes, uint32_t sbo = 1024) {
   uint64_t d = 0;
   d |= static_cast<uint64_t>((addr & 0x3FFFF) >> 4);
   d |= static_cast<uint64_t>((slab_bytes & 0x3FFFF) >> 4) << 16;  // LBO: next 64 M/N columns
-  d |= static_cast<uint64_t>(1024 >> 4) << 32;                    // SBO: next 8 K rows
+  d |= static_cast<uint64_t>(sbo >> 4) << 32;                     // SBO: next 8 K rows
   d |= static_cast<uint64_t>(1) << 62;                            // layout: 128-byte swizzle
   return d;
 }

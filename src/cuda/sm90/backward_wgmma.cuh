@@ -67,7 +67,12 @@ struct WgLayout {
   static constexpr int kKeyTile = kBlk * kD * 2;        // [128][128] bf16: K, V, Kp
   static constexpr int kTokTile = kTileTok * kD * 2;    // [64][128] bf16: Q, dO, Qp
   static constexpr int kKeySlab = kBlk * 128;           // one 64-column slab of a key tile
-  static constexpr int kTokSlab = kTileTok * 128;       // one 64-column slab of a token tile
+  // A token tile is [8 groups][2 slabs][8 rows][128 B] (the KV-major forward's layout): 8 rows of
+  // both 64-column slabs together, so that one TMA box brings a token's RM rows whole (token rows,
+  // make_bf16_head_group_map). K-major: SBO = kTokGroup, slab 1 at + kTokSlabOff; MN-major: LBO =
+  // kTokSlabOff, SBO = kTokGroup.
+  static constexpr int kTokGroup = 2 * 8 * 128;         // from one 8-row group to the next
+  static constexpr int kTokSlabOff = 8 * 128;           // from slab 0 to slab 1 of a group
   static constexpr int kDsTile = kBlk * kTileTok * 2;   // dS^T [128 keys][64 tok] bf16, one slab
   static constexpr int kTchBytes = kConsumers * 32 * 4; // 32 fp32 teacher sums per consumer thread
   // Byte offsets from the 1024-aligned base.
@@ -103,10 +108,9 @@ static_assert(WgBwd::kSmem <= 227 * 1024, "the wgmma backward must fit in one SM
 static_assert(WgKl::kSmem <= 227 * 1024, "the KL-only kernel must fit in one SM's shared memory");
 // The producer forms a row's swizzled 16-byte slots with XORs (cp_async_row_quarter_swizzled): every
 // token row starts 128-byte aligned, given the kernel's 1024-aligned base (wb_smem_raw rounded up).
-static_assert(WgBwd::oQ % 128 == 0 && WgBwd::odO % 128 == 0 && WgBwd::kTokTile % 128 == 0 &&
-                  WgBwd::kTokSlab % 128 == 0 && WgKl::oQ % 128 == 0 && WgKl::kTokTile % 128 == 0 &&
-                  WgKl::kTokSlab % 128 == 0,
-              "token tiles must be 128-byte aligned");
+static_assert(WgBwd::oQ % 1024 == 0 && WgBwd::odO % 1024 == 0 && WgBwd::kTokTile % 1024 == 0 &&
+                  WgKl::oQ % 1024 == 0 && WgKl::kTokTile % 1024 == 0,
+              "token tiles must be 1024-byte aligned (the swizzle pattern of their TMA boxes and descriptors)");
 
 // Named barriers of the two consumer warpgroups (0 is __syncthreads; the producer never joins).
 constexpr int kBarDsFree = 1;   // both WGs finished the MMA that read the previous dS tile
@@ -253,7 +257,8 @@ __device__ __forceinline__ void ss_kmajor_64x64(float (&acc)[32], uint32_t a_add
 #pragma unroll
   for (int ks = 0; ks < 8; ++ks)
     wgmma_ss_bf16<64, 0, 0>(acc, wgmma_desc_sw128(a_addr + (ks >> 2) * a_rows * 128 + (ks & 3) * 32),
-                            wgmma_desc_sw128(b_addr + (ks >> 2) * WgBwd::kTokSlab + (ks & 3) * 32), ks > 0);
+                            wgmma_desc_sw128(b_addr + (ks >> 2) * WgBwd::kTokSlabOff + (ks & 3) * 32, WgBwd::kTokGroup),
+                            ks > 0);
 }
 
 // 64 tokens x 64 columns (x K = 128 keys) = dS (the shared dS^T tile read MN-major) . the key
@@ -303,7 +308,10 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     FoldArgs fa,                   // with DET, dkp_acc (and dqp_acc unless RM > 0: int32) is int64
     const float* __restrict__ fx,  // [7] fixed-point factors (fixed_point_kernel), read only with DET
     void* __restrict__ dk_acc,     // [T, Hkv, 128] fp32 (int64 with DET), SHARED_KV only (else unused)
-    void* __restrict__ dv_acc) {   // [T, Hkv, 128] fp32 (int64 with DET), SHARED_KV only
+    void* __restrict__ dv_acc,     // [T, Hkv, 128] fp32 (int64 with DET), SHARED_KV only
+    // RM > 0: q and d_o as make_bf16_head_group_map(.., RM / 8) (a box = one token's RM rows of
+    // the group); unused otherwise.
+    const __grid_constant__ CUtensorMap q_rows_map, const __grid_constant__ CUtensorMap do_rows_map) {
   static_assert(!(KL_ONLY && DET), "the KL value has no gradients to make deterministic");
   static_assert(!(KL_ONLY && SHARED_KV), "the KL value writes no dk/dv: one KL_ONLY form serves every G");
   static_assert(RM == 0 || (!KL_ONLY && !SHARED_KV && (RM == 8 || RM == 16)),
@@ -395,7 +403,8 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     const int row = pt >> 1, sub = pt & 1;
     const int qd = (pt & 31) >> 2, qi = pt & 3;
     const int ra = (pt >> 5) * 16 + qd;  // and ra + 8: both rows have swizzle key qd
-    const uint32_t q_dst = smem_u32(sQ) + ra * 128 + ((qd ^ qi) << 4);  // + stage (+ 8 * 128: row ra + 8)
+    // Row ra = 16 w + qd lies in group 2 w, row ra + 8 in group 2 w + 1 (kTokGroup on).
+    const uint32_t q_dst = smem_u32(sQ) + (ra >> 3) * L::kTokGroup + (ra & 7) * 128 + ((qd ^ qi) << 4);
     constexpr uint32_t kDoOff = L::odO - L::oQ;                        // dO's rows, a multiple of 128 on
     int t = -1, i0 = bc.begin, hi = 0;
     // Token rows: head step hi holds tokens i0 + hi * 64/RM + (row / RM), all RM heads each; the
@@ -455,19 +464,32 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       const int64_t at_a = quad_offset(ta, hi, ra);
       if (hi < m) {
         const int h = p * m + (RM > 0 ? row % kR : hi);
-        cp_async_row_quarter_swizzled<L::kTokSlab>(qs, q + at_a, ta >= 0);
-        if constexpr (!KL_ONLY) cp_async_row_quarter_swizzled<L::kTokSlab>(qs + kDoOff, d_o + at_a, ta >= 0);
-        const int64_t at_b = quad_offset(tb, hi, ra + 8);
-        cp_async_row_quarter_swizzled<L::kTokSlab>(qs + 8 * 128, q + at_b, tb >= 0);
-        if constexpr (!KL_ONLY) cp_async_row_quarter_swizzled<L::kTokSlab>(qs + kDoOff + 8 * 128, d_o + at_b, tb >= 0);
+        if constexpr (RM > 0) {
+          // Token rows: the owner of a token's first row brings the token's RM rows of Q and of dO,
+          // one TMA box each (rows row .. row + RM - 1 = RM / 8 whole groups, RM * 256 bytes); a
+          // row past the list's end reads token T, past the map: zeros, as the copies' zero fill.
+          if (sub == 0 && row % kR == 0) {
+            const int tc = ok ? t : static_cast<int>(ix.T);
+            mbarrier_expect_tx(full + st, 2 * kR * D * 2);
+            unsigned char* const dst = sQ + st * L::kTokTile + row * 256;  // dO's rows kDoOff on
+            tma_load_5d(dst, &q_rows_map, 0, 0, 0, p * kR / 8, tc, full + st);
+            tma_load_5d(dst + kDoOff, &do_rows_map, 0, 0, 0, p * kR / 8, tc, full + st);
+          }
+        } else {
+          cp_async_row_quarter_swizzled<L::kTokSlabOff>(qs, q + at_a, ta >= 0);
+          if constexpr (!KL_ONLY) cp_async_row_quarter_swizzled<L::kTokSlabOff>(qs + kDoOff, d_o + at_a, ta >= 0);
+          const int64_t at_b = quad_offset(tb, hi, ra + 8);
+          cp_async_row_quarter_swizzled<L::kTokSlabOff>(qs + L::kTokGroup, q + at_b, tb >= 0);
+          if constexpr (!KL_ONLY) cp_async_row_quarter_swizzled<L::kTokSlabOff>(qs + kDoOff + L::kTokGroup, d_o + at_b, tb >= 0);
+        }
         if (sub == 0) cp_async_4(smem_u32(&tm.lse[row]), lse + static_cast<int64_t>(h) * ix.T + tt, ok);
         else if constexpr (!KL_ONLY) cp_async_4(smem_u32(&tm.aux[row]), di + tt * H + h, ok);
         if constexpr (DET && RM > 0) {
           if (sub == 1) cp_async_4(smem_u32(row_fx_s + st * kTileTok + row), fa.row_fx + tt * H + h, ok);
         }
       } else {
-        cp_async_row_quarter_swizzled<L::kTokSlab>(qs, fa.qp + at_a, ta >= 0);
-        cp_async_row_quarter_swizzled<L::kTokSlab>(qs + 8 * 128, fa.qp + quad_offset(tb, hi, ra + 8), tb >= 0);
+        cp_async_row_quarter_swizzled<L::kTokSlabOff>(qs, fa.qp + at_a, ta >= 0);
+        cp_async_row_quarter_swizzled<L::kTokSlabOff>(qs + L::kTokGroup, fa.qp + quad_offset(tb, hi, ra + 8), tb >= 0);
         if (sub == 0) cp_async_4(smem_u32(&tm.lse[row]), fa.lse_s + static_cast<int64_t>(p) * ix.T + tt, ok);
       }
       if (sub == 0) {
@@ -695,10 +717,10 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
-        wgmma_rs_bf16<128, 1>(dV, pa[kk], wgmma_desc_sw128_mn(do_st + kk * 16 * 128, L::kTokSlab), 1);
+        wgmma_rs_bf16<128, 1>(dV, pa[kk], wgmma_desc_sw128_mn(do_st + kk * 2 * L::kTokGroup, L::kTokSlabOff, L::kTokGroup), 1);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
-        wgmma_rs_bf16<128, 1>(dK, da[kk], wgmma_desc_sw128_mn(q_st + kk * 16 * 128, L::kTokSlab), 1);
+        wgmma_rs_bf16<128, 1>(dK, da[kk], wgmma_desc_sw128_mn(q_st + kk * 2 * L::kTokGroup, L::kTokSlabOff, L::kTokGroup), 1);
       wgmma_commit();
 
       if constexpr (!DET || RM > 0) {
@@ -772,7 +794,8 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
           wgmma_rs_bf16<64, 1>(acc, da[kk],
-                                  wgmma_desc_sw128_mn(q_st + half * L::kTokSlab + kk * 16 * 128, L::kTokSlab),
+                                  wgmma_desc_sw128_mn(q_st + half * L::kTokSlabOff + kk * 2 * L::kTokGroup,
+                                                      L::kTokSlabOff, L::kTokGroup),
                                   kk > 0);
         wgmma_commit();
         wgmma_wait<0>();

@@ -412,6 +412,11 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
       const bool fast = fx == nullptr && dq_acc != nullptr, det = fx != nullptr && (dq_acc == nullptr || token_rows > 0);
       if (wgmma_kv_applies(p) && (fast || det)) {
         const bool shared_kv = p.Hp > p.Hkv;  // G > 1: dk_acc / dv_acc exist (!main_owned)
+        // Token rows: each head step's Q and dO rows come as one TMA box per token.
+        const CUtensorMap q_rows_map =
+            token_rows > 0 && !shared_kv ? make_bf16_head_group_map(q, p.T, p.H, token_rows / 8) : CUtensorMap{};
+        const CUtensorMap do_rows_map =
+            token_rows > 0 && !shared_kv ? make_bf16_head_group_map(p.d_o, p.T, p.H, token_rows / 8) : CUtensorMap{};
         auto launch_wgmma = [&](auto kernel) {
           constexpr int smem = bwd::WgBwd::kSmem;
           set_smem(kernel, smem);
@@ -423,7 +428,7 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
           kernel<<<grid, bwd::WgBwd::kThreads, smem, stream>>>(
               q, k, v, static_cast<const bf16*>(p.d_o), p.lse, di, ix, p.H, p.Hkv, p.Hp, p.scale,
               static_cast<float*>(dq_acc), static_cast<bf16*>(p.dk), static_cast<bf16*>(p.dv), fw, fx, dk_acc,
-              dv_acc);
+              dv_acc, q_rows_map, do_rows_map);
           FLASHMSA_CHECK_LAUNCH();
         };
         if (shared_kv) {
@@ -522,7 +527,7 @@ void launch_kl_value(const MsaParams& p, cudaStream_t stream) {
   if (alternate_waves(p)) fa.wave_ctas = resident_ctas(bwd::attn_bwd_wgmma_kernel<true>, bwd::WgKl::kThreads, smem);
   bwd::attn_bwd_wgmma_kernel<true><<<static_cast<unsigned>(ix.NB) * p.Hp, bwd::WgKl::kThreads, smem, stream>>>(
       static_cast<const bf16*>(p.q), static_cast<const bf16*>(p.k), nullptr, nullptr, p.lse, nullptr, ix, p.H,
-      p.Hkv, p.Hp, p.scale, nullptr, nullptr, nullptr, fa, nullptr, nullptr, nullptr);
+      p.Hkv, p.Hp, p.scale, nullptr, nullptr, nullptr, fa, nullptr, nullptr, nullptr, CUtensorMap{}, CUtensorMap{});
   FLASHMSA_CHECK_LAUNCH();
   launch_kl_final(p, stream, ws.at<float>(kp.o_kl_part), kp.sel.nkeys);
   ws.release();
