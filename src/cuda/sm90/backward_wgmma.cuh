@@ -14,8 +14,9 @@
 // CTA = (proxy group p, global key block g), 3 warpgroups:
 //   WG0 (producer): K, V, Kp of the block once, then per step a gathered tile of 64 tokens into a
 //     2-stage ring (cp.async with zero fill, completion signalled on the stage's `full` mbarrier
-//     with cp.async.mbarrier.arrive.noinc). Steps are (tile, head h of the group) for the m
-//     heads, then one proxy step per tile that loads Qp into the same Q slot.
+//     with cp.async.mbarrier.arrive.noinc; with token rows a head step's Q and dO come as one TMA
+//     box per token instead, its bytes expected on the same barrier). Steps are (tile, head h of
+//     the group) for the m heads, then one proxy step per tile that loads Qp into the same Q slot.
 //   WG1, WG2 (consumers): WG w owns keys 64w..64w+63. Head step: S^T = K_w Q^T and
 //     dP^T = V_w dO^T (SS), P^T and dS^T in registers, teacher sum += P^T (thread-private fp32
 //     slots in shared memory), dV_w += P^T dO and dK_w += dS^T Q (RS, fp32 for the whole CTA in
@@ -38,7 +39,8 @@
 // adds commute: the sums do not depend on the atomics' order). dK, dV (owned) and the KL share
 // have a fixed order already; SHARED_KV's dK, dV go out as fixed point too (factors fx[1], fx[2]).
 //
-// Operand orientation (every tile bf16, 64-column slabs of R rows x 128 B, 128-byte swizzle):
+// Operand orientation (every tile bf16, 128-byte swizzle; key tiles are 64-column slabs of R rows x
+// 128 B, token tiles [8-row group][slab][8 rows] as WgLayout says):
 //   S^T, dP^T, S_p^T : A = K/V/Kp rows 64w.. (K-major), B = Q/dO/Qp (K-major)
 //   dV, dK, dkp      : A = registers (P^T / dS^T), B = dO/Q/Qp [tok][D] (MN-major)
 //   dQ, dqp          : A = dS^T tile [keys][tok] (MN-major), B = K/Kp [keys][D] columns 64w.. (MN-major)
