@@ -84,14 +84,6 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, i
                                     map, coords, bar);
 }
 
-// Adds `bytes` to the current phase's expected transaction count of `bar` without an arrival
-// (the calling thread arrives later, as the barrier's count expects): TMA boxes issued after it
-// by the same thread complete those bytes.
-__device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes) {
-  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(bar));
-  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(addr), "r"(bytes) : "memory");
-}
-
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
   while (!::cuda::ptx::mbarrier_try_wait_parity(bar, parity)) {
   }

@@ -472,7 +472,9 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
           // row past the list's end reads token T, past the map: zeros, as the copies' zero fill.
           if (sub == 0 && row % kR == 0) {
             const int tc = ok ? t : static_cast<int>(ix.T);
-            mbarrier_expect_tx(full + st, 2 * kR * D * 2);
+            // Expected bytes without an arrival: this thread arrives below, as the count expects.
+            ::cuda::ptx::mbarrier_expect_tx(::cuda::ptx::sem_relaxed, ::cuda::ptx::scope_cta, ::cuda::ptx::space_shared,
+                                            full + st, 2 * kR * D * 2);
             unsigned char* const dst = sQ + st * L::kTokTile + row * 256;  // dO's rows kDoOff on
             tma_load_5d(dst, &q_rows_map, 0, 0, 0, p * kR / 8, tc, full + st);
             tma_load_5d(dst + kDoOff, &do_rows_map, 0, 0, 0, p * kR / 8, tc, full + st);
