@@ -430,9 +430,9 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       return li < bc.end ? list_token(li) : -1;
     };
     int t_next = RM > 0 ? token_of_step(0, i0) : -1;
-    // Token rows: the copy rows' tokens are shuffled from their owners before the wait for the
-    // next stage, so that little more than the address math and the copies follow the wait (the
-    // consumers wait on this chain).
+    // Token rows: before a proxy step's wait, the copy rows' tokens are shuffled from their owners,
+    // so that little more than the address math and the copies follow the wait (the consumers wait
+    // on this chain).
     auto quad_tokens = [&](int t_, int& ta_, int& tb_) {
       ta_ = __shfl_sync(0xffffffffu, t_, 2 * qd);
       tb_ = __shfl_sync(0xffffffffu, t_, 2 * qd + 16);
@@ -442,8 +442,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       const int64_t tt_ = t_ >= 0 ? t_ : 0;
       return (hi_ < m ? tt_ * H + p * m + (RM > 0 ? r % kR : hi_) : tt_ * Hp + p) * D + 8 * qi;
     };
-    int ta = -1, tb = -1;
-    if constexpr (RM > 0) quad_tokens(t_next, ta, tb);
+    int ta = -1, tb = -1;  // token rows: set before each proxy step only (head steps use TMA boxes)
     for (int s = 0; s < steps; ++s) {
       const int st = s & (L::kStages - 1);
       if (s >= L::kStages) mbarrier_wait(empty + st, ((s >> L::kStageLog) - 1) & 1);
@@ -463,7 +462,6 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       // and dO's rows lie kDoOff on (the same XORs hold there).
       const uint32_t qs = q_dst + st * L::kTokTile;
       // Row ra's copies, then row ra + 8's: one source offset live at a time (24 registers).
-      const int64_t at_a = quad_offset(ta, hi, ra);
       if (hi < m) {
         const int h = p * m + (RM > 0 ? row % kR : hi);
         if constexpr (RM > 0) {
@@ -480,6 +478,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
             tma_load_5d(dst + kDoOff, &do_rows_map, 0, 0, 0, p * kR / 8, tc, full + st);
           }
         } else {
+          const int64_t at_a = quad_offset(ta, hi, ra);
           cp_async_row_quarter_swizzled<L::kTokSlabOff>(qs, q + at_a, ta >= 0);
           if constexpr (!KL_ONLY) cp_async_row_quarter_swizzled<L::kTokSlabOff>(qs + kDoOff, d_o + at_a, ta >= 0);
           const int64_t at_b = quad_offset(tb, hi, ra + 8);
@@ -492,7 +491,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
           if (sub == 1) cp_async_4(smem_u32(row_fx_s + st * kTileTok + row), fa.row_fx + tt * H + h, ok);
         }
       } else {
-        cp_async_row_quarter_swizzled<L::kTokSlabOff>(qs, fa.qp + at_a, ta >= 0);
+        cp_async_row_quarter_swizzled<L::kTokSlabOff>(qs, fa.qp + quad_offset(ta, hi, ra), ta >= 0);
         cp_async_row_quarter_swizzled<L::kTokSlabOff>(qs + L::kTokGroup, fa.qp + quad_offset(tb, hi, ra + 8), tb >= 0);
         if (sub == 0) cp_async_4(smem_u32(&tm.lse[row]), fa.lse_s + static_cast<int64_t>(p) * ix.T + tt, ok);
       }
@@ -508,7 +507,9 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       }
       if constexpr (RM > 0) {
         t_next = s + 1 < steps ? token_of_step(hi, i0) : -1;
-        quad_tokens(t_next, ta, tb);
+        // Only a proxy step copies by quads. hi is warp-uniform, so the shuffles stay full-warp;
+        // at head steps the index load then overlaps the empty wait instead of stalling a shuffle.
+        if (hi == m) quad_tokens(t_next, ta, tb);
       }
     }
     // The copies arrive on full / kv_full, which the consumers wait for before the CTA can exit,
