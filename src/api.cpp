@@ -220,11 +220,42 @@ void check_block_idx(const TensorView& block_idx, const MsaParams& p, const Atte
                in.q.device_index);
 }
 
+struct NamedTensor {
+  const char* name;
+  const TensorView* t;
+};
+
+// No output may overlap another output or an input. The CUDA forward keeps the selection index's
+// scratch in o's buffer while block_idx is read; the backward keeps accumulators in dq's buffer
+// while its kernels still read the inputs and writes every output from its own buffer.
+template <size_t NO, size_t NI>
+void reject_overlaps(const NamedTensor (&outputs)[NO], const NamedTensor (&inputs)[NI]) {
+  auto overlap = [](const TensorView& a, const TensorView& b) {
+    if (!a.defined() || !b.defined() || a.numel() == 0 || b.numel() == 0) return false;
+    const auto a0 = reinterpret_cast<uintptr_t>(a.data), b0 = reinterpret_cast<uintptr_t>(b.data);
+    return a0 < b0 + static_cast<uintptr_t>(b.numel() * dtype_size(b.dtype)) &&
+           b0 < a0 + static_cast<uintptr_t>(a.numel() * dtype_size(a.dtype));
+  };
+  for (size_t i = 0; i < NO; ++i) {
+    for (size_t j = i + 1; j < NO; ++j)
+      if (overlap(*outputs[i].t, *outputs[j].t))
+        fail(std::string("arguments '") + outputs[i].name + "' and '" + outputs[j].name + "' overlap in memory");
+    for (const NamedTensor& x : inputs)
+      if (overlap(*outputs[i].t, *x.t))
+        fail(std::string("argument '") + outputs[i].name + "' overlaps input '" + x.name + "' in memory");
+  }
+}
+
+// block_idx: the sparse forward's (undefined for the warm-up), checked here only for overlaps.
 void check_forward_outputs(const TensorView& o, const TensorView& lse, const TensorView& kl,
-                           MsaParams& p, const AttentionInputs& in) {
+                           MsaParams& p, const AttentionInputs& in, const TensorView& block_idx = TensorView()) {
   check_tensor("o", o, {p.T, p.H, p.Dv}, p.dtype, in.q.device, in.q.device_index);
   check_tensor("lse", lse, {p.H, p.T}, DType::fp32, in.q.device, in.q.device_index);
   check_scalar("kl", kl, in.q.device, in.q.device_index);
+  const NamedTensor outputs[] = {{"o", &o}, {"lse", &lse}, {"kl", &kl}};
+  const NamedTensor inputs[] = {{"q", &in.q},   {"k", &in.k}, {"v", &in.v}, {"qp", &in.qp},
+                                {"kp", &in.kp}, {"cu_seqlens", &in.cu_seqlens}, {"block_idx", &block_idx}};
+  reject_overlaps(outputs, inputs);
   p.o = o.data;
   p.lse = static_cast<float*>(lse.data);
   p.kl = kl.defined() ? static_cast<float*>(kl.data) : nullptr;
@@ -246,30 +277,11 @@ void check_backward_args(const TensorView& o, const TensorView& lse, const Tenso
   check_tensor("dqp", g.dqp, {p.T, p.Hp, p.Dp}, p.dtype, dev, di);
   check_tensor("dkp", g.dkp, {p.T, p.Hpk, p.Dp}, p.dtype, dev, di);
   check_scalar("kl", kl, dev, di);
-  // No output may overlap another output or an input: the CUDA backward keeps accumulators in dq's
-  // buffer while its kernels still read the inputs, and writes every output from its own buffer.
-  struct Named {
-    const char* name;
-    const TensorView* t;
-  };
-  const Named outputs[] = {{"dq", &g.dq}, {"dk", &g.dk}, {"dv", &g.dv}, {"dqp", &g.dqp}, {"dkp", &g.dkp}, {"kl", &kl}};
-  const Named inputs[] = {{"q", &in.q},   {"k", &in.k},     {"v", &in.v},     {"qp", &in.qp},
-                          {"kp", &in.kp}, {"o", &o},        {"lse", &lse},    {"d_o", &d_o},
-                          {"kl_grad", &kl_grad}, {"cu_seqlens", &in.cu_seqlens}, {"block_idx", &block_idx}};
-  auto overlap = [](const TensorView& a, const TensorView& b) {
-    if (!a.defined() || !b.defined() || a.numel() == 0 || b.numel() == 0) return false;
-    const auto a0 = reinterpret_cast<uintptr_t>(a.data), b0 = reinterpret_cast<uintptr_t>(b.data);
-    return a0 < b0 + static_cast<uintptr_t>(b.numel() * dtype_size(b.dtype)) &&
-           b0 < a0 + static_cast<uintptr_t>(a.numel() * dtype_size(a.dtype));
-  };
-  for (size_t i = 0; i < std::size(outputs); ++i) {
-    for (size_t j = i + 1; j < std::size(outputs); ++j)
-      if (overlap(*outputs[i].t, *outputs[j].t))
-        fail(std::string("arguments '") + outputs[i].name + "' and '" + outputs[j].name + "' overlap in memory");
-    for (const Named& x : inputs)
-      if (overlap(*outputs[i].t, *x.t))
-        fail(std::string("argument '") + outputs[i].name + "' overlaps input '" + x.name + "' in memory");
-  }
+  const NamedTensor outputs[] = {{"dq", &g.dq}, {"dk", &g.dk}, {"dv", &g.dv}, {"dqp", &g.dqp}, {"dkp", &g.dkp}, {"kl", &kl}};
+  const NamedTensor inputs[] = {{"q", &in.q},   {"k", &in.k},     {"v", &in.v},     {"qp", &in.qp},
+                                {"kp", &in.kp}, {"o", &o},        {"lse", &lse},    {"d_o", &d_o},
+                                {"kl_grad", &kl_grad}, {"cu_seqlens", &in.cu_seqlens}, {"block_idx", &block_idx}};
+  reject_overlaps(outputs, inputs);
   p.o = o.data;
   p.lse = static_cast<float*>(lse.data);
   p.d_o = d_o.data;
@@ -300,7 +312,7 @@ void sparse_attention_forward(const AttentionInputs& in, const TensorView& block
                               Stream stream) {
   MsaParams p = validate_inputs(in, opt);
   check_block_idx(block_idx, p, in);
-  check_forward_outputs(o, lse, kl, p, in);
+  check_forward_outputs(o, lse, kl, p, in, block_idx);
   std::vector<int32_t> cu_host;
   validate_cu_seqlens(in, p, cu_host, stream);
   p.block_idx = static_cast<int32_t*>(block_idx.data);
@@ -352,7 +364,7 @@ void msa_forward(const AttentionInputs& in, const Options& opt, TensorView block
   // cu_seqlens to the host at most once for both calls.
   MsaParams p = validate_inputs(in, opt);
   check_block_idx(block_idx, p, in);
-  check_forward_outputs(o, lse, kl, p, in);
+  check_forward_outputs(o, lse, kl, p, in, block_idx);
   std::vector<int32_t> cu_host;
   validate_cu_seqlens(in, p, cu_host, stream);
   if (on_cuda(in)) cuda::check_supported(p, "sparse_attention_forward");

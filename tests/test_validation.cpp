@@ -700,4 +700,30 @@ TEST_F(BadInput, OverlappingOutputs) {
   expect_rejected({Op::fused_bwd, Op::msa_bwd}, "'dkp' overlaps input 'block_idx'");
 }
 
+// The forward's outputs may not share memory with each other, an input or block_idx (the CUDA
+// forward keeps its selection index's scratch in o's buffer while it reads block_idx).
+TEST_F(BadInput, OverlappingForwardOutputs) {
+  const auto& h = c_.heads;
+  const DType dt = c_.dtype;
+  const std::vector<Op> forwards = {Op::sparse_fwd, Op::warm_fwd, Op::msa_fwd, Op::msa_fwd_warm};
+  // o's view may reach past the buffer it starts in (into whatever the heap put next), so the
+  // input named first need not be that buffer: only the output is asserted.
+  o_v_ = flashmsa::make_view(in_.q.data, dt, {T_, h.H, h.Dv});  // in place of q
+  expect_rejected(forwards, "'o' overlaps input '");
+  SetUp();
+  o_v_ = flashmsa::make_view(in_.kp.data, dt, {T_, h.H, h.Dv});  // from kp on
+  expect_rejected(forwards, "'o' overlaps input '");
+  SetUp();
+  lse_v_ = flashmsa::make_view(o_.data(), DType::fp32, {h.H, T_});  // inside o
+  expect_rejected(forwards, "'o' and 'lse' overlap");
+  SetUp();
+  // o and block_idx at the start of one buffer that holds either: o overlaps block_idx only.
+  const int64_t o_bytes = T_ * h.H * h.Dv * static_cast<int64_t>(flashmsa::dtype_size(dt));
+  const int64_t idx_bytes = h.Hp * T_ * c_.opt.top_k * int64_t{4};
+  HostTensor shared(DType::int32, {std::max(o_bytes, idx_bytes) / 4 + 1});
+  o_v_ = flashmsa::make_view(shared.data(), dt, {T_, h.H, h.Dv});
+  idx_v_ = flashmsa::make_view(shared.data(), DType::int32, {h.Hp, T_, c_.opt.top_k});
+  expect_rejected({Op::sparse_fwd, Op::msa_fwd}, "'o' overlaps input 'block_idx'");
+}
+
 }  // namespace

@@ -105,6 +105,8 @@ void select_blocks(const AttentionInputs& in, const Options& opt, TensorView blo
 // backend checks its contents and raises Error naming 'block_idx'; the CUDA backend does not
 // read it back to the host (that would synchronise) and skips out-of-range entries.
 //   o [T, H, Dv] input dtype, lse [H, T] fp32 (natural log), kl [1] fp32 (optional).
+// The outputs must not overlap each other, block_idx or any input (rejected): the CUDA forward
+// uses o's buffer for its selection index's scratch before it writes o.
 void sparse_attention_forward(const AttentionInputs& in, const TensorView& block_idx,
                               const Options& opt, TensorView o, TensorView lse,
                               TensorView kl = TensorView(), Stream stream = nullptr);

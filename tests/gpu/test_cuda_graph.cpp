@@ -335,6 +335,44 @@ TEST(CudaWorkspace, BackwardWithinTwoAndAHalfQ) {
   EXPECT_EQ(counter.live, 0u);
 }
 
+// performance.md's memory goal for the forward at fm16k (groups of 4 heads, whose default chunk
+// accumulators alone are 0.63 x size(q)): selection + forward within 0.5 x size(q). The forward's
+// index scratch lives in o's buffer until o is written, and its chunk shrinks towards the goal.
+TEST(CudaWorkspace, ForwardWithinHalfQ) {
+  GPUTEST_REQUIRE_DEVICE();
+  const Shape s = shape(16, 2, 4, 1, 128, 16, {16384});
+  StepCase c;
+  ASSERT_NO_FATAL_FAILURE(make_step_case(c, s, 219, false));
+  const int64_t T = c.pr.T;
+  const auto in = c.pr.device_inputs();
+  const auto sel = gputest::dview(c.b.sel, DType::int32, {s.Hp, T, s.K});
+  const auto o = gputest::dview(c.b.o, DType::bf16, {T, s.H, s.D});
+  const auto lse = gputest::dview(c.b.lse, DType::fp32, {s.H, T});
+  poison(c.b);
+  CountingAllocator counter;
+  install_allocator(counter);
+  std::string error;
+  try {
+    flashmsa::select_blocks(in, c.opt, sel, c.g.stream);
+    flashmsa::sparse_attention_forward(in, sel, c.opt, o, lse, flashmsa::TensorView(), c.g.stream);
+  } catch (const flashmsa::Error& e) {
+    error = e.what();
+  }
+  cudaStreamSynchronize(c.g.stream);
+  flashmsa::set_workspace_allocator(flashmsa::WorkspaceAllocator());
+  EXPECT_EQ(error, "") << "the forward threw";
+  const double q_bytes = static_cast<double>(T) * s.H * s.D * 2;
+  EXPECT_GT(counter.allocs, 0) << "no workspace from the allocator: was the KV-major forward taken?";
+  EXPECT_LE(static_cast<double>(counter.peak), 0.5 * q_bytes)
+      << "peak workspace " << counter.peak / q_bytes << " x size(q)";
+  EXPECT_EQ(counter.live, 0u);
+  // Every o and lse element written (poisoned to NaN before; finite inputs give finite outputs).
+  size_t bad = 0;
+  for (double x : gputest::bf16_to_doubles(c.b.o.download<uint16_t>())) bad += !std::isfinite(x);
+  for (float x : c.b.lse.download<float>()) bad += !std::isfinite(x);
+  EXPECT_EQ(bad, 0u) << "non-finite outputs (unwritten or scratch left in o)";
+}
+
 // The backward keeps its side accumulators in dq's buffer (fused_backward.cu), at 256-byte offsets
 // from dq's start; the API asks dq for 16-byte alignment only. A dq view 16 bytes into its buffer
 // gives the same bits in deterministic mode, on token-row tiles (groups of 16): there dq's buffer

@@ -148,6 +148,13 @@ struct SelectionIndexPlan {
   // keys in, keys out, values in: contiguous from o_keys_in, free for the caller once the index is
   // built (when place_selection_scratch put them in the caller's own region, they are that region).
   size_t dead_bytes = 0;
+  // The scratch's offsets are into this buffer instead of the workspace when it is set
+  // (place_selection_scratch_outside: an output buffer not yet written, e.g. the forward's o).
+  unsigned char* scratch_base = nullptr;
+  template <typename U>
+  U* scratch_at(const Workspace& ws, size_t offset) const {
+    return scratch_base ? reinterpret_cast<U*>(scratch_base + offset) : ws.at<U>(offset);
+  }
 };
 
 // The index's sizes from the host copy of cu_seqlens; no workspace yet (callers may reject the
@@ -176,12 +183,17 @@ inline void reserve_selection_lists(SelectionIndexPlan& s, const MsaParams& p, W
   s.o_seg = ws.add((s.nkeys + 1) * sizeof(int32_t));
 }
 
+// Bytes of the scratch at 256-byte offsets from its start.
+inline size_t selection_scratch_bytes(const SelectionIndexPlan& s) {
+  return 3 * Workspace::padded(s.n_entries * 4) + Workspace::padded(s.cub_bytes);
+}
+
 // Places the index's scratch inside [region, region + region_bytes) of `ws` when it fits there (a
 // region the caller does not use before the index is built: the backward's accumulators, zeroed
 // after it, save the scratch's 16 B per entry of peak workspace), else reserves it after the rest.
 inline void place_selection_scratch(SelectionIndexPlan& s, Workspace& ws, size_t region = 0, size_t region_bytes = 0) {
   const size_t entries = Workspace::padded(s.n_entries * 4);
-  if (3 * entries + Workspace::padded(s.cub_bytes) <= region_bytes) {
+  if (selection_scratch_bytes(s) <= region_bytes) {
     s.o_keys_in = region;
     s.o_keys_out = region + entries;
     s.o_vals_in = region + 2 * entries;
@@ -193,6 +205,22 @@ inline void place_selection_scratch(SelectionIndexPlan& s, Workspace& ws, size_t
     s.o_cub = ws.add(s.cub_bytes);
   }
   s.dead_bytes = 3 * entries;
+}
+
+// Places the scratch in a caller's buffer of `bytes` (its start rounded up to 256 bytes) that
+// nothing reads or writes until the index is built, when it fits (true); else changes nothing.
+// The plan does not depend on the buffer's address: 255 bytes are set aside for the rounding.
+inline bool place_selection_scratch_outside(SelectionIndexPlan& s, void* buffer, size_t bytes) {
+  if (buffer == nullptr || bytes < 255 || selection_scratch_bytes(s) > bytes - 255) return false;
+  const uintptr_t at = (reinterpret_cast<uintptr_t>(buffer) + 255) / 256 * 256;
+  const size_t entries = Workspace::padded(s.n_entries * 4);
+  s.scratch_base = reinterpret_cast<unsigned char*>(at);
+  s.o_keys_in = 0;
+  s.o_keys_out = entries;
+  s.o_vals_in = 2 * entries;
+  s.o_cub = 3 * entries;
+  s.dead_bytes = 0;  // not the workspace's: nothing there to reuse
+  return true;
 }
 
 // Both, the scratch reserved with the rest.
@@ -212,14 +240,15 @@ inline void build_selection_index(const MsaParams& p, const SelectionIndexPlan& 
   }
   make_keys_kernel<<<grid_for(s.n_entries, 256), 256, 0, stream>>>(
       p.block_idx, p.cu_seqlens, ws.at<int32_t>(s.o_blk_off), p.B, p.T, p.top_k, s.NB, s.n_entries,
-      static_cast<uint32_t>(s.nkeys), ws.at<uint32_t>(s.o_keys_in), ws.at<int32_t>(s.o_vals_in));
+      static_cast<uint32_t>(s.nkeys), s.scratch_at<uint32_t>(ws, s.o_keys_in), s.scratch_at<int32_t>(ws, s.o_vals_in));
   FLASHMSA_CHECK_LAUNCH();
   size_t cub_bytes = s.cub_bytes;
   FLASHMSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
-      ws.at<void>(s.o_cub), cub_bytes, ws.at<const uint32_t>(s.o_keys_in), ws.at<uint32_t>(s.o_keys_out),
-      ws.at<const int32_t>(s.o_vals_in), ws.at<int32_t>(s.o_vals_out), s.n_entries, 0, s.end_bit, stream));
+      s.scratch_at<void>(ws, s.o_cub), cub_bytes, s.scratch_at<const uint32_t>(ws, s.o_keys_in),
+      s.scratch_at<uint32_t>(ws, s.o_keys_out), s.scratch_at<const int32_t>(ws, s.o_vals_in),
+      ws.at<int32_t>(s.o_vals_out), s.n_entries, 0, s.end_bit, stream));
   list_offsets_kernel<<<grid_for(s.nkeys + 1, 256, INT_MAX), 256, 0, stream>>>(
-      ws.at<uint32_t>(s.o_keys_out), s.n_entries, s.nkeys, ws.at<int32_t>(s.o_seg));
+      s.scratch_at<uint32_t>(ws, s.o_keys_out), s.n_entries, s.nkeys, ws.at<int32_t>(s.o_seg));
   FLASHMSA_CHECK_LAUNCH();
 }
 

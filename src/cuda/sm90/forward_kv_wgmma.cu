@@ -908,7 +908,12 @@ KvwPlan plan_kvw_chunks(const MsaParams& p, int S, int C) {
   const bool det = p.deterministic;  // the two-pass fixed-point form
   KvwPlan pl;
   pl.sel = selection_index_sizes(p);
-  reserve_selection_index(pl.sel, p, pl.ws, nullptr);
+  reserve_selection_lists(pl.sel, p, pl.ws, nullptr);
+  // The index's scratch (keys, values, cub's storage: 12 B per entry and more) lives in the caller's
+  // o, which nothing writes before the first finalize, long after the index is built; o is
+  // 256 m / (3 K) times the entries' 12 B (bf16, Dv = 128). Elsewhere in the workspace if not.
+  const size_t o_bytes = static_cast<size_t>(p.T) * p.H * p.Dv * sizeof(bf16);
+  if (!place_selection_scratch_outside(pl.sel, p.o, o_bytes)) place_selection_scratch(pl.sel, pl.ws);
   pl.index_bytes = pl.ws.size();
   pl.m = p.H / p.Hp;
   pl.tok_per_tile = kRows / pl.m;
@@ -947,7 +952,8 @@ KvwPlan plan_kvw_chunks(const MsaParams& p, int S, int C) {
   pl.o_items = pl.ws.add(static_cast<size_t>(p.Hp) * pl.items_per_group * sizeof(int4));
   pl.o_counts = pl.ws.add((det ? 3 : 2) * static_cast<size_t>(p.Hp) * pl.n_chunks * sizeof(int32_t));
   // The S chunk accumulators reuse the index's unsorted keys, sorted keys and unsorted values
-  // (contiguous, dead once the list offsets are built: dead_bytes) when they fit there.
+  // (contiguous, dead once the list offsets are built: dead_bytes) when these are in the workspace
+  // and the accumulators fit there.
   // acc_o fp32 or int32, acc_l fp32 or int64 (deterministic form), mref fp32 (in acc_l's size).
   const size_t acc_o = static_cast<size_t>(pl.Ceff) * pl.m * kD * 4,
                acc_row = static_cast<size_t>(pl.Ceff) * pl.m * (det ? 8 : 4);
@@ -956,7 +962,7 @@ KvwPlan plan_kvw_chunks(const MsaParams& p, int S, int C) {
   pl.d_acc_l = acc_o_padded;
   pl.d_mref = acc_o_padded + acc_row_padded;
   const size_t need = pl.acc_stride * static_cast<size_t>(pl.S);
-  if (need <= pl.sel.dead_bytes) {
+  if (pl.sel.scratch_base == nullptr && need <= pl.sel.dead_bytes) {
     pl.o_acc = pl.sel.o_keys_in;
   } else {
     pl.o_acc = pl.ws.add(need);
@@ -965,27 +971,33 @@ KvwPlan plan_kvw_chunks(const MsaParams& p, int S, int C) {
   return pl;
 }
 
-// The path's workspace limit: size(q) / 2 (performance.md's rule, which matters at scale), or
-// 64 MiB: small problems (a few thousand tokens) would otherwise lose the path to the index's
-// fixed costs.
-size_t kvw_workspace_limit(const MsaParams& p) {
-  return std::max<size_t>(static_cast<size_t>(p.T) * p.H * p.D, size_t{64} << 20);
+// performance.md's memory goal for the forward: size(q) / 2 (bf16 q, D = 128 here), less the
+// caller's redo flags and list ((2 T + 1) int32, sparse_forward.cu), live beside this workspace.
+size_t kvw_workspace_goal(const MsaParams& p) {
+  return static_cast<size_t>(p.T) * p.H * p.D - (2 * static_cast<size_t>(p.T) + 1) * sizeof(int32_t);
 }
 
-// The plan with the default (or FLASHMSA_FWD_CHUNK's) chunk, shrunk by eighths while the
-// workspace exceeds the limit: a smaller chunk costs a little speed, a workspace over the limit
-// the whole path (the caller then takes the query-major kernel, ~4x slower at fm16k). The
-// accumulators shrink with the chunk while the item lists grow a little; a small
-// FLASHMSA_FWD_ITEM_TILES raises the item bound and can shrink the chunk too.
+// The path's workspace limit: the goal, or 64 MiB: small problems (a few thousand tokens) would
+// otherwise lose the path to the index's fixed costs.
+size_t kvw_workspace_limit(const MsaParams& p) { return std::max<size_t>(kvw_workspace_goal(p), size_t{64} << 20); }
+
+// The plan with the default (or FLASHMSA_FWD_CHUNK's) chunk C0, shrunk by eighths while the
+// workspace exceeds the limit (a workspace over it costs the whole path: the caller then takes
+// the query-major kernel, ~4x slower at fm16k), or exceeds the goal while the chunk is above
+// C0 / 2: a smaller chunk costs a little speed (fm16k: none at 6144 of 10240 tokens, +4% at 4096,
+// +26% at 2048), so below C0 / 2 the goal gives way to speed. The accumulators shrink with the
+// chunk while the item lists grow a little; a small FLASHMSA_FWD_ITEM_TILES raises the item
+// bound and can shrink the chunk too.
 KvwPlan plan_kvw(const MsaParams& p, int streams) {
   const int S = std::max(1, std::min(streams, p.Hp));
   // A chunk past the sequence end changes nothing: start at most one block-rounded T.
-  int C = static_cast<int>(std::min<int64_t>(chunk_tokens(p.H / p.Hp, S), (p.T + kBlk - 1) / kBlk * kBlk));
-  const size_t limit = kvw_workspace_limit(p);
-  for (;;) {
+  const int C0 = static_cast<int>(std::min<int64_t>(chunk_tokens(p.H / p.Hp, S), (p.T + kBlk - 1) / kBlk * kBlk));
+  const size_t limit = kvw_workspace_limit(p), goal = kvw_workspace_goal(p);
+  for (int C = C0;;) {
     KvwPlan pl = plan_kvw_chunks(p, S, C);
+    const bool over = pl.ws.size() > limit || (pl.ws.size() > goal && 2 * C > C0);
     // No chunk fits when the index alone does not: no walk down to 128 tokens then.
-    if (pl.ws.size() <= limit || C <= kBlk || pl.index_bytes >= limit) return pl;
+    if (!over || C <= kBlk || pl.index_bytes >= limit) return pl;
     C = std::max(kBlk, C - std::max(kBlk, C / 8 / kBlk * kBlk));
   }
 }
