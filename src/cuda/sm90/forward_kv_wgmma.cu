@@ -910,8 +910,8 @@ KvwPlan plan_kvw_chunks(const MsaParams& p, int S, int C) {
   pl.sel = selection_index_sizes(p);
   reserve_selection_lists(pl.sel, p, pl.ws, nullptr);
   // The index's scratch (keys, values, cub's storage: 12 B per entry and more) lives in the caller's
-  // o, which nothing writes before the first finalize, long after the index is built; o is
-  // 256 m / (3 K) times the entries' 12 B (bf16, Dv = 128). Elsewhere in the workspace if not.
+  // o, which nothing writes before the first finalize, long after the index is built; o's bytes are
+  // 64 m / (3 K) times the entries' 12 B (bf16, Dv = 128: 5.3 x at fm16k). Else in the workspace.
   const size_t o_bytes = static_cast<size_t>(p.T) * p.H * p.Dv * sizeof(bf16);
   if (!place_selection_scratch_outside(pl.sel, p.o, o_bytes)) place_selection_scratch(pl.sel, pl.ws);
   pl.index_bytes = pl.ws.size();
