@@ -232,6 +232,7 @@ __device__ __forceinline__ void forward_unit(const FwdArgs& a, const HeadItems& 
   __syncwarp();
   uint32_t qf[D / 16][4];
   load_a_frags<D>(qf, q_s, lane);
+  __syncwarp();  // the first prefetch below overwrites the query rows (in stage 1 of K)
 
   float o[D / 8][4];
 #pragma unroll
@@ -346,6 +347,7 @@ __device__ __forceinline__ void forward_unit(const FwdArgs& a, const HeadItems& 
   __syncwarp();
   uint32_t pq[D / 16][4];  // the proxy query repeated in all 16 rows
   load_a_frags<D>(pq, q_s, lane);
+  __syncwarp();  // the first prefetch below overwrites the query rows (in stage 1 of K)
   const float inv_m = 1.f / static_cast<float>(m);
   float ent = 0.f, cross = 0.f, tsum = 0.f, smax = -INFINITY, ssum = 0.f;
   buf = 0;
@@ -478,6 +480,7 @@ __device__ __forceinline__ void kl_stage_keys(const FwdArgs& a, const HeadItems&
     __syncwarp();
     uint32_t qf[D / 16][4];
     load_a_frags<D>(qf, q_s, lane);
+    __syncwarp();  // the first prefetch below overwrites the query rows (in stage 1 of K)
     int buf = 0;
     while (!cur.done) {
       const Cursor nxt = cursor_next(sel, cur, tpos);
