@@ -4,7 +4,7 @@
 # Results (logs, JSON) go to $OUT. Binaries are built on the workstation for sm_90a first:
 #   bash scripts/build_gpu_bundle.sh      # -> scratch-gpu/ (flashmsa_gpu_tests, flashmsa_run, _C.so)
 # and the device call carries scratch-gpu. Stages, as arguments or in $STAGES: tests sanitizer main
-# python scale bench (default: all); `scale` runs the main job at m3 64k (phase split, memory), 1M
+# python scale bench racecheck (default: all); `scale` runs the main job at m3 64k (phase split, memory), 1M
 # tokens, deterministic 64k, fm16k and the dense warm-up at 16k (with --graph: the step captured in a
 # CUDA graph, too). `timeline` (not in the default) lists one op step's kernels with their streams and
 # the GPU's idle time at m3 64k / 32k and fm16k.
@@ -21,7 +21,7 @@ LOGS=$(mktemp -d)
 mkdir -p "$OUT"
 pack() { tar czf "$OUT/gpu_check.tgz" -C "$LOGS" . ; cp "$LOGS"/*.json "$OUT"/ 2>/dev/null; }
 trap pack EXIT
-STAGES=${*:-${STAGES:-tests sanitizer main python scale bench}}  # arguments, else $STAGES, else all
+STAGES=${*:-${STAGES:-tests sanitizer racecheck main python scale bench}}  # arguments, else $STAGES, else all
 status=0
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 run_stage() {  # name, command...: logs to $LOGS/<name>.log, remembers failures
@@ -40,6 +40,19 @@ export PYTHONPATH=$PWD/python FLASHMSA_TORCH_LIBRARY=$PWD/$BIN/_C.so PYTHONUNBUF
 has tests && run_stage gpu_tests "$BIN/flashmsa_gpu_tests" --gtest_brief=1
 has sanitizer && run_stage sanitizer compute-sanitizer --tool memcheck --error-exitcode 9 \
   "$BIN/flashmsa_gpu_tests" --gtest_brief=1 --gtest_filter="${SANITIZER_FILTER:-*FewerVisible*:*LocalOnlyK1*:*ManyShort*:*OddHead*:CudaWarmup.GqaD64TwoSequences:*WgmmaPathGroupOf16K16*:*KlValueKvMajor*:*DeterministicDq*:*WgmmaKv*:*SharedKv*:*TokenRows*:*DeterministicWgmma*}"
+if has racecheck; then  # shared-memory hazards of the mma.sync kernels (the wgmma ones run their own tests)
+  # The stage fails on any hazard: racecheck reports warp-level ones as warnings, with exit code 0.
+  race_stage() {  # name, filter, environment...
+    local name=$1 filter=$2; shift 2
+    run_stage "$name" env "$@" compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/flashmsa_gpu_tests" \
+      --gtest_brief=1 --gtest_filter="$filter"
+    grep -q "SUMMARY: 0 hazards displayed" "$LOGS/$name.log" || { echo "=== $name: hazards reported"; status=1; }
+  }
+  race_stage racecheck_query 'CudaForward.LocalOnlyK1:CudaForward.FewerVisibleBlocksThanK' \
+    FLASHMSA_FORWARD_PATH=query FLASHMSA_BACKWARD_PATH=mma
+  race_stage racecheck_kv CudaForward.LocalOnlyK1 FLASHMSA_FORWARD_PATH=kv
+  race_stage racecheck_bwd_mma CudaBackward.LocalOnlyK1 FLASHMSA_BACKWARD_PATH=mma
+fi
 has main && run_stage main_job "$BIN/flashmsa_run" --device cuda --seqlen 8192 --full-check \
   --json "$LOGS/main_job.json"
 has python && run_stage python_cuda python3 -m pytest -q -x tests/python -k "cuda or Cuda or CUDA"
