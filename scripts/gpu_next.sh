@@ -3,8 +3,9 @@
 #   bash scripts/gpu_next.sh          a full record on main's build (the GPU suite, the 36-test memcheck,
 #                                     racecheck of the mma.sync paths, the PyTorch CUDA tests, the main job, the
 #                                     scale runs, the benchmark over every config). Build first:
-#                                     bash scripts/build_gpu_bundle.sh; carry ["scratch-gpu"]. ~11 min as three
-#                                     calls: STAGES="tests racecheck" (~4 min), STAGES="sanitizer python main
+#                                     bash scripts/build_gpu_bundle.sh; carry ["scratch-gpu"]. ~9.5 min as three
+#                                     calls: STAGES="tests racecheck" (~3 min: the suite 2.1, racecheck's three
+#                                     runs ~0.6 in the thirty-third session), STAGES="sanitizer python main
 #                                     scale" (~4.5 min) and STAGES=bench (~1.5 min).
 #   bash scripts/gpu_next.sh ab       an A/B of binaries built by scripts/build_variants.sh into $AB_DIR
 #                                     (carry it): the GPU forward and backward tests of each non-main variant

@@ -188,23 +188,28 @@ inline size_t selection_scratch_bytes(const SelectionIndexPlan& s) {
   return 3 * Workspace::padded(s.n_entries * 4) + Workspace::padded(s.cub_bytes);
 }
 
+// The scratch laid out contiguously from `start`: keys in, keys out, values in, cub's storage.
+inline void lay_out_selection_scratch(SelectionIndexPlan& s, size_t start) {
+  const size_t entries = Workspace::padded(s.n_entries * 4);
+  s.o_keys_in = start;
+  s.o_keys_out = start + entries;
+  s.o_vals_in = start + 2 * entries;
+  s.o_cub = start + 3 * entries;
+}
+
 // Places the index's scratch inside [region, region + region_bytes) of `ws` when it fits there (a
 // region the caller does not use before the index is built: the backward's accumulators, zeroed
 // after it, save the scratch's 16 B per entry of peak workspace), else reserves it after the rest.
 inline void place_selection_scratch(SelectionIndexPlan& s, Workspace& ws, size_t region = 0, size_t region_bytes = 0) {
-  const size_t entries = Workspace::padded(s.n_entries * 4);
   if (selection_scratch_bytes(s) <= region_bytes) {
-    s.o_keys_in = region;
-    s.o_keys_out = region + entries;
-    s.o_vals_in = region + 2 * entries;
-    s.o_cub = region + 3 * entries;
+    lay_out_selection_scratch(s, region);
   } else {
     s.o_keys_in = ws.add(s.n_entries * 4);
     s.o_keys_out = ws.add(s.n_entries * 4);
     s.o_vals_in = ws.add(s.n_entries * 4);
     s.o_cub = ws.add(s.cub_bytes);
   }
-  s.dead_bytes = 3 * entries;
+  s.dead_bytes = 3 * Workspace::padded(s.n_entries * 4);
 }
 
 // Places the scratch in a caller's buffer of `bytes` (its start rounded up to 256 bytes) that
@@ -213,12 +218,8 @@ inline void place_selection_scratch(SelectionIndexPlan& s, Workspace& ws, size_t
 inline bool place_selection_scratch_outside(SelectionIndexPlan& s, void* buffer, size_t bytes) {
   if (buffer == nullptr || bytes < 255 || selection_scratch_bytes(s) > bytes - 255) return false;
   const uintptr_t at = (reinterpret_cast<uintptr_t>(buffer) + 255) / 256 * 256;
-  const size_t entries = Workspace::padded(s.n_entries * 4);
   s.scratch_base = reinterpret_cast<unsigned char*>(at);
-  s.o_keys_in = 0;
-  s.o_keys_out = entries;
-  s.o_vals_in = 2 * entries;
-  s.o_cub = 3 * entries;
+  lay_out_selection_scratch(s, 0);
   s.dead_bytes = 0;  // not the workspace's: nothing there to reuse
   return true;
 }

@@ -952,8 +952,8 @@ KvwPlan plan_kvw_chunks(const MsaParams& p, int S, int C) {
   pl.o_items = pl.ws.add(static_cast<size_t>(p.Hp) * pl.items_per_group * sizeof(int4));
   pl.o_counts = pl.ws.add((det ? 3 : 2) * static_cast<size_t>(p.Hp) * pl.n_chunks * sizeof(int32_t));
   // The S chunk accumulators reuse the index's unsorted keys, sorted keys and unsorted values
-  // (contiguous, dead once the list offsets are built: dead_bytes) when these are in the workspace
-  // and the accumulators fit there.
+  // (contiguous, dead once the list offsets are built: dead_bytes, 0 when they are in o) when the
+  // accumulators fit there.
   // acc_o fp32 or int32, acc_l fp32 or int64 (deterministic form), mref fp32 (in acc_l's size).
   const size_t acc_o = static_cast<size_t>(pl.Ceff) * pl.m * kD * 4,
                acc_row = static_cast<size_t>(pl.Ceff) * pl.m * (det ? 8 : 4);
@@ -962,7 +962,7 @@ KvwPlan plan_kvw_chunks(const MsaParams& p, int S, int C) {
   pl.d_acc_l = acc_o_padded;
   pl.d_mref = acc_o_padded + acc_row_padded;
   const size_t need = pl.acc_stride * static_cast<size_t>(pl.S);
-  if (pl.sel.scratch_base == nullptr && need <= pl.sel.dead_bytes) {
+  if (need <= pl.sel.dead_bytes) {
     pl.o_acc = pl.sel.o_keys_in;
   } else {
     pl.o_acc = pl.ws.add(need);
