@@ -528,6 +528,14 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   const float scale2 = scale * kLog2e;
   const float c_kl = fa.c_base * (fa.kl_grad ? __ldg(fa.kl_grad) : 1.f);
   const float inv_m = 1.f / static_cast<float>(m);
+  // True when every row of a step's tile sees every key of the block, so the causal mask can be
+  // skipped: no padding row (tpos -1) and no token inside the block. A tile's rows are
+  // consecutive list entries, so their positions are monotonic in the row (walked either way)
+  // and the first and last rows bound them. Warp-uniform; true for most steps (only the own
+  // block's tiles and the lists' partial last tiles are masked).
+  auto all_keys_visible = [&](const TokMeta& tm_) {
+    return min(tm_.tpos[0], tm_.tpos[kTileTok - 1]) >= bc.key0 + kBlk - 1;
+  };
   const uint32_t k_base = smem_u32(sK), v_base = smem_u32(sV), kp_base = smem_u32(sKp);
   const uint32_t ds_base = smem_u32(sdS);
 
@@ -669,20 +677,34 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       wgmma_fence();
       ss_kmajor_64x64(dpT, v_base + 64 * cw * 128, kBlk, do_st);
       wgmma_commit();
-      // P^T while dP^T is still on the tensor cores.
+      // P^T while dP^T is still on the tensor cores; the mask's loads and selects only where
+      // a key may be hidden.
+      auto p_from_s = [&](auto masked) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int col = 8 * j + 2 * c4;
-        const int2 tp = *reinterpret_cast<const int2*>(&tm.tpos[col]);
-        const float2 ls = *reinterpret_cast<const float2*>(&tm.lse[col]);
-        const int tpv[2] = {tp.x, tp.y};
-        const float nl[2] = {-ls.x * kLog2e, -ls.y * kLog2e};
+        for (int j = 0; j < 8; ++j) {
+          const int col = 8 * j + 2 * c4;
+          const float2 ls = *reinterpret_cast<const float2*>(&tm.lse[col]);
+          const float nl[2] = {-ls.x * kLog2e, -ls.y * kLog2e};
+          int tpv[2] = {0, 0};
+          if constexpr (decltype(masked)::value) {
+            const int2 tp = *reinterpret_cast<const int2*>(&tm.tpos[col]);
+            tpv[0] = tp.x;
+            tpv[1] = tp.y;
+          }
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = bc.key0 + kr + 8 * (e >> 1);
-          s1[4 * j + e] = key <= tpv[e & 1] ? fast_exp2(fmaf(s1[4 * j + e], scale2, nl[e & 1])) : 0.f;
+          for (int e = 0; e < 4; ++e) {
+            const float pe = fast_exp2(fmaf(s1[4 * j + e], scale2, nl[e & 1]));
+            if constexpr (decltype(masked)::value) {
+              const int key = bc.key0 + kr + 8 * (e >> 1);
+              s1[4 * j + e] = key <= tpv[e & 1] ? pe : 0.f;
+            } else {
+              s1[4 * j + e] = pe;
+            }
+          }
         }
-      }
+      };
+      if (all_keys_visible(tm)) p_from_s(std::false_type{});
+      else p_from_s(std::true_type{});
       // Teacher sums (thread-private, no barrier), zeroed by the tile's proxy step. Shared memory,
       // not registers: 32 more live registers here (dK, dV, P^T, dP^T in flight) spill (KL_ONLY,
       // which has none of those, keeps them in registers).
@@ -753,36 +775,44 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       // ---------------------------------------------------------- proxy step (Qp in the Q slot)
       wgmma_wait<0>();  // S_p^T (issued by the previous step)
       wgmma_fence_operands(s1);
+      auto kl_terms = [&](auto masked) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int col = 8 * j + 2 * c4;
-        const int2 tp = *reinterpret_cast<const int2*>(&tm.tpos[col]);
-        const float2 ls = *reinterpret_cast<const float2*>(&tm.lse[col]);  // the student's lse
-        const int tpv[2] = {tp.x, tp.y};
-        const float lsv[2] = {ls.x, ls.y};
-        float4 t4;
-        if constexpr (RM > 0) {  // the group's teacher tile (every column written by its head steps)
-          const float2 a = *reinterpret_cast<const float2*>(tch_tile + kr * 64 + teacher_col(kr, col));
-          const float2 b = *reinterpret_cast<const float2*>(tch_tile + (kr + 8) * 64 + teacher_col(kr + 8, col));
-          t4 = make_float4(a.x, a.y, b.x, b.y);
-        } else {
-          t4 = slots[j * L::kConsumers];
-          slots[j * L::kConsumers] = make_float4(0.f, 0.f, 0.f, 0.f);  // the next tile starts from zero
-        }
-        const float tsum[4] = {t4.x, t4.y, t4.z, t4.w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = bc.key0 + kr + 8 * (e >> 1);
-          float ds = 0.f;
-          if (key <= tpv[e & 1]) {
-            const float log_qs = s1[4 * j + e] * fa.scale_p - lsv[e & 1];
-            const float te = tsum[e] * inv_m;
-            if (te > 0.f) kl += te * (__logf(te) - log_qs);
-            ds = c_kl * (__expf(log_qs) - te);
+        for (int j = 0; j < 8; ++j) {
+          const int col = 8 * j + 2 * c4;
+          int tpv[2] = {0, 0};
+          if constexpr (decltype(masked)::value) {
+            const int2 tp = *reinterpret_cast<const int2*>(&tm.tpos[col]);
+            tpv[0] = tp.x;
+            tpv[1] = tp.y;
           }
-          s1[4 * j + e] = ds;
+          const float2 ls = *reinterpret_cast<const float2*>(&tm.lse[col]);  // the student's lse
+          const float lsv[2] = {ls.x, ls.y};
+          float4 t4;
+          if constexpr (RM > 0) {  // the group's teacher tile (every column written by its head steps)
+            const float2 a = *reinterpret_cast<const float2*>(tch_tile + kr * 64 + teacher_col(kr, col));
+            const float2 b = *reinterpret_cast<const float2*>(tch_tile + (kr + 8) * 64 + teacher_col(kr + 8, col));
+            t4 = make_float4(a.x, a.y, b.x, b.y);
+          } else {
+            t4 = slots[j * L::kConsumers];
+            slots[j * L::kConsumers] = make_float4(0.f, 0.f, 0.f, 0.f);  // the next tile starts from zero
+          }
+          const float tsum[4] = {t4.x, t4.y, t4.z, t4.w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = bc.key0 + kr + 8 * (e >> 1);
+            float ds = 0.f;
+            if (!decltype(masked)::value || key <= tpv[e & 1]) {
+              const float log_qs = s1[4 * j + e] * fa.scale_p - lsv[e & 1];
+              const float te = tsum[e] * inv_m;
+              if (te > 0.f) kl += te * (__logf(te) - log_qs);
+              ds = c_kl * (__expf(log_qs) - te);
+            }
+            s1[4 * j + e] = ds;
+          }
         }
-      }
+      };
+      if (all_keys_visible(tm)) kl_terms(std::false_type{});
+      else kl_terms(std::true_type{});
       uint32_t da[4][4];
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) acc_to_a_frag(da[kk], s1 + 8 * kk);
