@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The next device session's calls (as of the thirty-third session).
+# The next device session's calls (as of the thirty-fourth session).
 #   bash scripts/gpu_next.sh          a full record on main's build (the GPU suite, the 36-test memcheck,
 #                                     racecheck of the mma.sync paths, the PyTorch CUDA tests, the main job, the
 #                                     scale runs, the benchmark over every config). Build first:
@@ -11,9 +11,14 @@
 #                                     (carry it): the GPU forward and backward tests of each non-main variant
 #                                     with a tests_<name> binary, then gpu_ab.sh over $VARIANTS (default: every
 #                                     run_<name> in $AB_DIR) and $CONFIGS, every run checked against fp64.
-#                                     Nothing is prepared at the moment; e.g. with
+#                                     e.g. with
 #     bash scripts/build_variants.sh ab21 main=main x=exp/some-branch:tests
 #     and carry ["ab21"]: AB_DIR=ab21 TEST_FILTER='CudaBackward.*:CudaGraph.*' bash scripts/gpu_next.sh ab
+# Prepared (thirty-fourth session): the backward's L2-window timing probes (docs/prepared/
+# probe-l2-window.patch, wrong results by design: whether keeping the dQ rows or the gathered rows in
+# L2, what a token-chunked backward would do, is worth building; perf-notes):
+#     bash scripts/build_probe_variants.sh ab35      # p0 (base), dq, ga, both; ~10 min here
+#     carry ["ab35"]: AB_DIR=ab35 CHECK=0 ROUNDS=2 bash scripts/gpu_next.sh ab
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-record}
