@@ -17,7 +17,7 @@
 # Prepared (thirty-fourth session): the backward's L2-window timing probes (docs/prepared/
 # probe-l2-window.patch, wrong results by design: whether keeping the dQ rows or the gathered rows in
 # L2, what a token-chunked backward would do, is worth building; perf-notes):
-#     bash scripts/build_probe_variants.sh ab35      # p0 (base), dq, ga, both; ~10 min here
+#     bash scripts/build_probe_variants.sh ab35      # p0 (base), dq, ga, both; ~5 min here (ccache warm)
 #     carry ["ab35"]: AB_DIR=ab35 CHECK=0 ROUNDS=2 bash scripts/gpu_next.sh ab
 set -uo pipefail
 cd "$(dirname "$0")/.."
