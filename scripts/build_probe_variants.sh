@@ -15,6 +15,7 @@ base=$(git rev-parse HEAD)
 patch=$PWD/docs/prepared/probe-l2-window.patch
 wt=$(mktemp -d)
 git worktree add -f --detach "$wt" "$base" >/dev/null
+trap 'git worktree remove --force "$wt" 2>/dev/null; git worktree prune' EXIT
 specs=()
 for v in p0:0:0 dq:$WINDOW:0 ga:0:$WINDOW both:$WINDOW:$WINDOW; do
   IFS=: read -r name wdq wga <<< "$v"
@@ -24,5 +25,4 @@ for v in p0:0:0 dq:$WINDOW:0 ga:0:$WINDOW both:$WINDOW:$WINDOW; do
     git -c user.name=probe -c user.email=probe@localhost commit -qam "probe $name (dq $wdq, gather $wga)")
   specs+=("$name=$(git -C "$wt" rev-parse HEAD)")
 done
-git worktree remove --force "$wt"
 bash scripts/build_variants.sh "$DIR" "${specs[@]}"
