@@ -972,9 +972,9 @@ KvwPlan plan_kvw_chunks(const MsaParams& p, int S, int C) {
 }
 
 // performance.md's memory goal for the forward: size(q) / 2 (bf16 q, D = 128 here), less the
-// caller's redo flags and list ((2 T + 1) int32, sparse_forward.cu), live beside this workspace.
+// caller's redo flags and list, live beside this workspace.
 size_t kvw_workspace_goal(const MsaParams& p) {
-  return static_cast<size_t>(p.T) * p.H * p.D - (2 * static_cast<size_t>(p.T) + 1) * sizeof(int32_t);
+  return static_cast<size_t>(p.T) * p.H * p.D - static_cast<size_t>(redo_flag_ints(p.T)) * sizeof(int32_t);
 }
 
 // The path's workspace limit: the goal, or 64 MiB: small problems (a few thousand tokens) would

@@ -723,7 +723,7 @@ void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream) {
     // The wgmma KV-major kernel softmaxes every row against a fixed reference (its diagonal
     // score); the tokens where a row's best score lies too far above it are flagged, and
     // redo_forward_kernel recomputes exactly those with this file's exact online softmax.
-    const StreamAllocation<int32_t> flags(2 * p.T + 1, stream);  // [T] flags, then [T] list, then the count
+    const StreamAllocation<int32_t> flags(redo_flag_ints(p.T), stream);  // [T] flags, then [T] list, then the count
     int32_t* redo = flags.get();
     int32_t* list = redo + p.T;
     int32_t* count = list + p.T;
