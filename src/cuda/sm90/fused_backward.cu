@@ -274,9 +274,11 @@ bool alternate_waves(const MsaParams& p) {
 // FLASHMSA_BWD_CHUNK: tokens per chunk of the fast token-row wgmma backward's lists (FoldArgs::
 // n_chunks), 0 or unset: whole lists; FLASHMSA_BWD_CHUNK_GROUPS: the proxy groups swept together
 // inside a chunk (a divisor of Hp, default 1). Read per call.
-int backward_chunk_tokens() {
-  const char* v = std::getenv("FLASHMSA_BWD_CHUNK");
-  return v ? std::max(0, std::atoi(v)) : 0;
+int backward_chunk_tokens(int64_t T) {
+  if (const char* v = std::getenv("FLASHMSA_BWD_CHUNK")) return std::max(0, std::atoi(v));
+  const char* n = std::getenv("FLASHMSA_BWD_CHUNKS");
+  const int count = n ? std::atoi(n) : 0;
+  return count > 0 ? static_cast<int>((T + count - 1) / count) : 0;
 }
 int chunk_groups(int Hp) {
   const char* v = std::getenv("FLASHMSA_BWD_CHUNK_GROUPS");
@@ -640,7 +642,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // dq (not with FLASHMSA_DET_DQ=query: the per-head DET form and the query-major dq).
   const int token_rows = takes_wgmma && rows_shape && (!det || dq_kv_int32) ? m : 0;
   // Token chunks (FLASHMSA_BWD_CHUNK): the fast token-row form only; dk / dv through accumulators.
-  const int chunk_tokens = backward_chunk_tokens();
+  const int chunk_tokens = backward_chunk_tokens(T);
   const int n_chunks = token_rows > 0 && !det && !alternate_waves(p) && chunk_tokens > 0 && chunk_tokens < T
                            ? static_cast<int>((T + chunk_tokens - 1) / chunk_tokens)
                            : 0;
