@@ -700,6 +700,28 @@ TEST(CudaBackward, SideStreamPreludeSharedKv) {
   check_side_stream(shape(8, 2, 2, 1, 64, 3, {300, 1000, 5, 129}), 55);
 }
 
+// Token chunks (FLASHMSA_BWD_CHUNK): the fast token-row form over the parts of each list whose
+// tokens lie in one chunk, dk / dv as partial sums. Chunks smaller than a block, cutting a
+// sequence, and chunks of many blocks; groups of 16 and of 8 heads; a kl_grad.
+void check_token_chunks(const Shape& s, uint64_t seed) {
+  Setup st;
+  make_setup(st, s, seed, true, 0.7f);
+  const Grads cpu = run_cpu(st);
+  DeviceSide d;
+  upload(d, st);
+  gputest::ScopedEnv rows("FLASHMSA_BWD_ROWS", "1");  // an error unless the token-row form runs
+  for (const char* chunk : {"96", "640", "2048"}) {
+    gputest::ScopedEnv env("FLASHMSA_BWD_CHUNK", chunk);
+    compare(run_gpu(d, st, false), cpu, std::string("fast, chunk ") + chunk);
+  }
+}
+
+TEST(CudaBackward, TokenChunksTokenRows) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_token_chunks(shape(64, 4, 4, 1, 128, 16, {3000, 333, 700}), 56);
+  check_token_chunks(shape(32, 4, 4, 4, 128, 5, {2600, 1}), 57);
+}
+
 // Heavy-tailed inputs for the token-row DET form's int32 dq: one key channel 30x the rest (an
 // outlier channel, as trained models have) and one token's dO 100x every other token's. A
 // per-tensor fixed-point scale leaves the other rows few bits (a numerical model of these inputs:

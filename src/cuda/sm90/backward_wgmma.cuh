@@ -350,8 +350,14 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   // the lean producer this form in block-major order runs as fast as without it; perf-notes.) The
   // waves of fa.wave_ctas count along x: the host keeps block-major order (one row) when it sets them.
   constexpr bool kSweep = !SHARED_KV && !KL_ONLY;
+  // Token chunks (the fast token-row form, fa.n_chunks > 0): the grid's key-block index runs over
+  // (chunk, block) pairs, chunk slower, and the CTA takes the part of its block's list whose tokens
+  // lie in the chunk (fa.chunk_bounds); dK / dV then leave as partial sums (dk_acc / dv_acc).
+  constexpr bool kChunkable = kSweep && !DET && RM > 0;
   const int S = kSweep ? fa.sweep_groups : Hp;
-  const int g = blockIdx.x / S, p = (kSweep ? static_cast<int>(blockIdx.y) * S : 0) + blockIdx.x % S;
+  const int gx = blockIdx.x / S, p = (kSweep ? static_cast<int>(blockIdx.y) * S : 0) + blockIdx.x % S;
+  const int chunk = kChunkable && fa.n_chunks > 0 ? gx / ix.NB : 0;
+  const int g = gx - chunk * ix.NB;
   const int m = H / Hp;
   if (RM > 0 && m != RM) __trap();  // token rows assume groups of exactly RM heads (host-checked)
   // Group p's heads p*m.. lie in kv head p*m / (H/Hkv) = p / G. The G = 1 backward keeps the
@@ -359,7 +365,15 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   // out again after their loop.
   const int kvh = (KL_ONLY || SHARED_KV) ? p / (Hp / Hkv) : p;
   const int pk = p / (Hp / fa.Hpk);
-  const BlockCtx bc = block_ctx(ix, p, g);
+  BlockCtx bc = block_ctx(ix, p, g);
+  if constexpr (kChunkable) {
+    if (fa.n_chunks > 0) {
+      const int32_t* cb = fa.chunk_bounds + (static_cast<int64_t>(p) * ix.NB + g) * (fa.n_chunks + 1) + chunk;
+      bc.begin = __ldg(cb);
+      bc.end = __ldg(cb + 1);
+      if (bc.begin == bc.end) return;  // CTA-uniform; the accumulators are zeroed, kl_part too
+    }
+  }
   const int ntiles = (bc.end - bc.begin + kTileTok - 1) / kTileTok;
   const int steps = ntiles * (m + 1);
 
@@ -1019,6 +1033,22 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       }
     }
   } else if constexpr (!KL_ONLY) {
+    bool partial = false;
+    if constexpr (kChunkable) partial = fa.n_chunks > 0;
+    if (partial) {
+      // A chunk's share of dk, dv, added as SHARED_KV's fast form adds its group's.
+      const int key_lo = bc.key0 + kr;
+      const bool ok_lo = key_lo < bc.seq_len, ok_hi = key_lo + 8 < bc.seq_len;
+      const int64_t at_lo = ((bc.seq_start + key_lo) * Hkv + kvh) * D + 2 * c4;
+      const int64_t at_hi = at_lo + static_cast<int64_t>(8) * Hkv * D;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        wb_red_tile(static_cast<float*>(dk_acc), at_lo + 8 * j, at_hi + 8 * j, ok_lo, ok_hi, dK[4 * j] * scale,
+                    dK[4 * j + 1] * scale, dK[4 * j + 2] * scale, dK[4 * j + 3] * scale, c4);
+        wb_red_tile(static_cast<float*>(dv_acc), at_lo + 8 * j, at_hi + 8 * j, ok_lo, ok_hi, dV[4 * j],
+                    dV[4 * j + 1], dV[4 * j + 2], dV[4 * j + 3], c4);
+      }
+    } else {
     // dk, dv rows of this thread's keys; rows past the sequence end belong to another sequence.
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -1032,6 +1062,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
         *reinterpret_cast<uint32_t*>(dv + at + 8 * j) = pack_bf16x2(dV[4 * j + 2 * half], dV[4 * j + 2 * half + 1]);
       }
     }
+    }
   }
 
   // The block's KL share, reduced in a fixed order.
@@ -1042,7 +1073,8 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   if (ct == 0) {
     float total = 0.f;
     for (int w = 0; w < 8; ++w) total += sRed[w];
-    fa.kl_part[static_cast<int64_t>(p) * ix.NB + g] = total;
+    // With token chunks: one slot per (chunk, p, g), [n_chunks][Hp][NB].
+    fa.kl_part[(static_cast<int64_t>(chunk) * Hp + p) * ix.NB + g] = total;
   }
 }
 

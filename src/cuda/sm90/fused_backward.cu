@@ -271,6 +271,40 @@ bool alternate_waves(const MsaParams& p) {
   return p.all_blocks;
 }
 
+// FLASHMSA_BWD_CHUNK: tokens per chunk of the fast token-row wgmma backward's lists (FoldArgs::
+// n_chunks), 0 or unset: whole lists; FLASHMSA_BWD_CHUNK_GROUPS: the proxy groups swept together
+// inside a chunk (a divisor of Hp, default 1). Read per call.
+int backward_chunk_tokens(int64_t T) {
+  if (const char* v = std::getenv("FLASHMSA_BWD_CHUNK")) return std::max(0, std::atoi(v));
+  const char* n = std::getenv("FLASHMSA_BWD_CHUNKS");
+  const int count = n ? std::atoi(n) : 0;
+  return count > 0 ? static_cast<int>((T + count - 1) / count) : 0;
+}
+int chunk_groups(int Hp) {
+  const char* v = std::getenv("FLASHMSA_BWD_CHUNK_GROUPS");
+  const int n = v ? std::atoi(v) : 1;
+  return n >= 1 && n <= Hp && Hp % n == 0 ? n : 1;
+}
+
+// bounds[(list) (nc + 1) + c] = the first entry of list (p NB + g) whose token is >= c chunk
+// (lower bound: val = t K + slot); c = nc: the list's end.
+__global__ void chunk_bounds_kernel(const int32_t* __restrict__ seg_start,  // [n_lists + 1]
+                                    const int32_t* __restrict__ vals, int64_t n_lists, int nc,
+                                    int64_t chunk_vals,  // chunk tokens x K
+                                    int32_t* __restrict__ bounds) {  // [n_lists, nc + 1]
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n_lists * (nc + 1)) return;
+  const int64_t list = i / (nc + 1);
+  const int64_t key = (i % (nc + 1)) * chunk_vals;
+  int lo = seg_start[list], hi = seg_start[list + 1];
+  while (lo < hi) {
+    const int mid = lo + (hi - lo) / 2;
+    if (vals[mid] < key) lo = mid + 1;
+    else hi = mid;
+  }
+  bounds[i] = lo;
+}
+
 // FLASHMSA_BACKWARD_PATH=mma keeps the mma.sync attn_bwd_kernel for the shapes that otherwise
 // take the wgmma kernel (A/B timing, and a fallback); =wgmma makes it an error when the wgmma
 // kernel does not take the problem (tests); read per call. Any other value, or none: the default
@@ -368,7 +402,8 @@ template <int D>
 void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, const float* di,
                  const float* lse_s, void* dq_acc, void* dqp_acc,
                  void* dk_acc, void* dv_acc, void* dkp_acc, const float* fx, const float* row_fx,
-                 float* kl_part, bool main_owned, bool kl_owned, int nseg, bool fold, int token_rows) {
+                 float* kl_part, bool main_owned, bool kl_owned, int nseg, bool fold, int token_rows,
+                 int n_chunks, const int32_t* chunk_bounds) {
   const auto* q = static_cast<const bf16*>(p.q);
   const auto* k = static_cast<const bf16*>(p.k);
   const auto* v = static_cast<const bf16*>(p.v);
@@ -423,8 +458,11 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
           bwd::FoldArgs fw = fa;
           if (alternate_waves(p)) fw.wave_ctas = resident_ctas(kernel, bwd::WgBwd::kThreads, smem);
           // The wave alternation counts waves along blockIdx.x: block-major order (one grid row) there.
-          fw.sweep_groups = shared_kv || fw.wave_ctas > 0 ? p.Hp : sweep_groups(p.Hp);
-          const dim3 grid(static_cast<unsigned>(ix.NB) * fw.sweep_groups, p.Hp / fw.sweep_groups);
+          fw.sweep_groups = shared_kv || fw.wave_ctas > 0 ? p.Hp : n_chunks > 0 ? chunk_groups(p.Hp) : sweep_groups(p.Hp);
+          fw.n_chunks = n_chunks;
+          fw.chunk_bounds = chunk_bounds;
+          const dim3 grid(static_cast<unsigned>(ix.NB) * fw.sweep_groups * std::max(n_chunks, 1),
+                          p.Hp / fw.sweep_groups);
           kernel<<<grid, bwd::WgBwd::kThreads, smem, stream>>>(
               q, k, v, static_cast<const bf16*>(p.d_o), p.lse, di, ix, p.H, p.Hkv, p.Hp, p.scale,
               static_cast<float*>(dq_acc), static_cast<bf16*>(p.dk), static_cast<bf16*>(p.dv), fw, fx, dk_acc,
@@ -603,6 +641,12 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // permuted (convert_acc_kernel's `permuted`). Deterministic mode takes them only with the int32
   // dq (not with FLASHMSA_DET_DQ=query: the per-head DET form and the query-major dq).
   const int token_rows = takes_wgmma && rows_shape && (!det || dq_kv_int32) ? m : 0;
+  // Token chunks (FLASHMSA_BWD_CHUNK): the fast token-row form only; dk / dv through accumulators.
+  const int chunk_tokens = backward_chunk_tokens(T);
+  const int n_chunks = token_rows > 0 && !det && !alternate_waves(p) && chunk_tokens > 0 && chunk_tokens < T
+                           ? static_cast<int>((T + chunk_tokens - 1) / chunk_tokens)
+                           : 0;
+  const bool dkv_in_acc = !main_owned || n_chunks > 0;
   if (backward_rows_env("1") && token_rows == 0)
     throw Error("flashmsa: fused_backward: FLASHMSA_BWD_ROWS=1, but the token-row backward does not take this "
                 "problem (argument 'q': the wgmma backward with groups of 8 or 16 heads, one group per kv head; in "
@@ -612,7 +656,9 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   reserve_selection_lists(sel, p, ws, stream);  // its scratch: over the accumulators, below
   const size_t o_di = ws.add(T * p.H * sizeof(float));
   const size_t o_lse_s = ws.add(static_cast<size_t>(p.Hp) * T * sizeof(float));
-  const size_t o_kl_part = ws.add(std::max<int64_t>(nkeys, 1) * sizeof(float));
+  const int64_t n_kl_part = std::max<int64_t>(nkeys, 1) * std::max(n_chunks, 1);
+  const size_t o_kl_part = ws.add(n_kl_part * sizeof(float));
+  const size_t o_chunk_bounds = n_chunks > 0 ? ws.add(nkeys * (n_chunks + 1) * sizeof(int32_t)) : 0;
   const int64_t n_dq = T * p.H * p.D, n_dqp = T * p.Hp * p.Dp;
   const int64_t n_dk = T * p.Hkv * p.D, n_dkp = T * p.Hpk * p.Dp;
   // The side accumulators (dqp, the non-owned dk / dv, dkp) go into the caller's dq buffer while
@@ -623,7 +669,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   auto pad = [](int64_t bytes) { return Workspace::padded(static_cast<size_t>(bytes)); };
   const size_t dq_bytes = static_cast<size_t>(n_dq) * (p.dtype == DType::fp32 ? 4 : 2);
   const size_t b_dq = dq_query_major ? 0 : pad(n_dq * (dq_kv_int32 ? 4 : acc_elem));
-  const size_t b_dqp = pad(n_dqp * (dq_kv_int32 ? 4 : acc_elem)), b_dk = main_owned ? 0 : pad(n_dk * acc_elem);
+  const size_t b_dqp = pad(n_dqp * (dq_kv_int32 ? 4 : acc_elem)), b_dk = dkv_in_acc ? pad(n_dk * acc_elem) : 0;
   const size_t b_dkp = dkp_in_acc ? pad(n_dkp * acc_elem) : 0;
   // The index's scratch lives in the workspace's accumulator region when it fits there (below):
   // where moving the side accumulators out would push it into a workspace buffer of its own that
@@ -647,8 +693,8 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   };
   const size_t o_dq = dq_query_major ? 0 : ws.add(n_dq * (dq_kv_int32 ? 4 : acc_elem));
   const AccAt at_dqp = place(n_dqp * (dq_kv_int32 ? 4 : acc_elem), side_in_dq);
-  const AccAt at_dk = main_owned ? AccAt{} : place(n_dk * acc_elem, side_in_dq);
-  const AccAt at_dv = main_owned ? AccAt{} : place(n_dk * acc_elem, side_in_dq);
+  const AccAt at_dk = dkv_in_acc ? place(n_dk * acc_elem, side_in_dq) : AccAt{};
+  const AccAt at_dv = dkv_in_acc ? place(n_dk * acc_elem, side_in_dq) : AccAt{};
   const AccAt at_dkp = dkp_in_acc ? place(n_dkp * acc_elem, side_in_dq) : AccAt{};
   const size_t o_acc_end = ws.add(0), side_bytes = dq_used;  // the part of dq to zero
   // The student lse's per-entry partials (read only until lse_s is formed, before the main kernel)
@@ -666,6 +712,15 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // ---- metadata and the inverted index ----
   const bwd::Index ix = make_index(p, sel, ws);
   build_selection_index(p, sel, ws, stream);
+  if (n_chunks > 0) {
+    const int64_t n = nkeys * (n_chunks + 1);
+    chunk_bounds_kernel<<<grid_for(n, 256), 256, 0, stream>>>(ix.seg_start, ix.vals, nkeys, n_chunks,
+                                                               static_cast<int64_t>(chunk_tokens) * K,
+                                                               ws.at<int32_t>(o_chunk_bounds));
+    FLASHMSA_CHECK_LAUNCH();
+    // Empty chunks write no KL share.
+    FLASHMSA_CUDA_CHECK(cudaMemsetAsync(ws.at<float>(o_kl_part), 0, n_kl_part * sizeof(float), stream));
+  }
 
   // The accumulators' zeroing, the deterministic factors and the per-row terms (HBM-bound) run on
   // a helper stream beside the student lse (latency-bound, three CTAs per SM with room left for
@@ -729,13 +784,14 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   if (dq_query_major) launch_backward_dq(p, dq_items, ws.at<float>(o_di), stream);
   void* dq_acc = dq_query_major ? nullptr : ws.at<void>(o_dq);
   void* dqp_acc = acc_ptr(at_dqp);
-  void* dk_acc = main_owned ? nullptr : acc_ptr(at_dk);
-  void* dv_acc = main_owned ? nullptr : acc_ptr(at_dv);
+  void* dk_acc = dkv_in_acc ? acc_ptr(at_dk) : nullptr;
+  void* dv_acc = dkv_in_acc ? acc_ptr(at_dv) : nullptr;
   void* dkp_acc = dkp_in_acc ? acc_ptr(at_dkp) : nullptr;
   auto run = [&](auto tag) {
     constexpr int D = decltype(tag)::value;
     run_kernels<D>(p, stream, ix, ws.at<float>(o_di), ws.at<float>(o_lse_s), dq_acc, dqp_acc, dk_acc, dv_acc,
-                   dkp_acc, fx, row_fx, ws.at<float>(o_kl_part), main_owned, kl_owned, nseg, fold, token_rows);
+                   dkp_acc, fx, row_fx, ws.at<float>(o_kl_part), main_owned, kl_owned, nseg, fold, token_rows,
+                   n_chunks, n_chunks > 0 ? ws.at<int32_t>(o_chunk_bounds) : nullptr);
   };
   if (p.D == 64) run(std::integral_constant<int, 64>{});
   else run(std::integral_constant<int, 128>{});
@@ -748,14 +804,14 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
     FLASHMSA_CHECK_LAUNCH();
   };
   convert(dqp_acc, n_dqp, dq_kv_int32 ? 6 : 3, p.dqp, false, dq_kv_int32);
-  if (!main_owned) {
+  if (dkv_in_acc) {
     convert(dk_acc, n_dk, 1, p.dk);
     convert(dv_acc, n_dk, 2, p.dv);
   }
   if (dkp_in_acc) convert(dkp_acc, n_dkp, 4, p.dkp);
   // Last: it overwrites the side accumulators that live in dq.
   if (!dq_query_major) convert(dq_acc, n_dq, 0, p.dq, token_rows > 0, dq_kv_int32, row_fx);
-  if (p.kl) launch_kl_final(p, stream, ws.at<float>(o_kl_part), nkeys);
+  if (p.kl) launch_kl_final(p, stream, ws.at<float>(o_kl_part), n_kl_part);
   ws.release();
 }
 
