@@ -999,6 +999,17 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   wgmma_fence_operands(s1);
   if constexpr (!KL_ONLY && (!DET || RM > 0)) bulk_wait_group<0>();  // every dQ reduce-add has landed
 
+  // dK (times scale), dV of this thread's rows added into the fp32 dk_acc / dv_acc: SHARED_KV's
+  // group share and the token chunks' partial sums.
+  auto red_dkv = [&](int64_t at_lo, int64_t at_hi, bool ok_lo, bool ok_hi) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      wb_red_tile(static_cast<float*>(dk_acc), at_lo + 8 * j, at_hi + 8 * j, ok_lo, ok_hi, dK[4 * j] * scale,
+                  dK[4 * j + 1] * scale, dK[4 * j + 2] * scale, dK[4 * j + 3] * scale, c4);
+      wb_red_tile(static_cast<float*>(dv_acc), at_lo + 8 * j, at_hi + 8 * j, ok_lo, ok_hi, dV[4 * j],
+                  dV[4 * j + 1], dV[4 * j + 2], dV[4 * j + 3], c4);
+    }
+  };
   if constexpr (SHARED_KV) {
     // This group's share of dk, dv. Rows past the sequence end belong to another sequence:
     // predicated off. Also run by a CTA without tokens (adding zeros): an `if (steps > 0)` here
@@ -1023,13 +1034,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
                      dV[4 * j + 3], fx_v);
         }
       } else {
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          wb_red_tile(static_cast<float*>(dk_acc), at_lo + 8 * j, at_hi + 8 * j, ok_lo, ok_hi, dK[4 * j] * scale,
-                      dK[4 * j + 1] * scale, dK[4 * j + 2] * scale, dK[4 * j + 3] * scale, c4);
-          wb_red_tile(static_cast<float*>(dv_acc), at_lo + 8 * j, at_hi + 8 * j, ok_lo, ok_hi, dV[4 * j],
-                      dV[4 * j + 1], dV[4 * j + 2], dV[4 * j + 3], c4);
-        }
+        red_dkv(at_lo, at_hi, ok_lo, ok_hi);
       }
     }
   } else if constexpr (!KL_ONLY) {
@@ -1041,13 +1046,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       const bool ok_lo = key_lo < bc.seq_len, ok_hi = key_lo + 8 < bc.seq_len;
       const int64_t at_lo = ((bc.seq_start + key_lo) * Hkv + kvh) * D + 2 * c4;
       const int64_t at_hi = at_lo + static_cast<int64_t>(8) * Hkv * D;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        wb_red_tile(static_cast<float*>(dk_acc), at_lo + 8 * j, at_hi + 8 * j, ok_lo, ok_hi, dK[4 * j] * scale,
-                    dK[4 * j + 1] * scale, dK[4 * j + 2] * scale, dK[4 * j + 3] * scale, c4);
-        wb_red_tile(static_cast<float*>(dv_acc), at_lo + 8 * j, at_hi + 8 * j, ok_lo, ok_hi, dV[4 * j],
-                    dV[4 * j + 1], dV[4 * j + 2], dV[4 * j + 3], c4);
-      }
+      red_dkv(at_lo, at_hi, ok_lo, ok_hi);
     } else {
     // dk, dv rows of this thread's keys; rows past the sequence end belong to another sequence.
 #pragma unroll
