@@ -1012,14 +1012,14 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
         wb_fx_tile(dv_acc, at_lo + 8 * j, at_hi + 8 * j, ok_lo, ok_hi, dV[4 * j], dV[4 * j + 1], dV[4 * j + 2],
                    dV[4 * j + 3], fx_v);
       }
-      return;
-    }
+    } else {
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      wb_red_tile(static_cast<float*>(dk_acc), at_lo + 8 * j, at_hi + 8 * j, ok_lo, ok_hi, dK[4 * j] * scale,
-                  dK[4 * j + 1] * scale, dK[4 * j + 2] * scale, dK[4 * j + 3] * scale, c4);
-      wb_red_tile(static_cast<float*>(dv_acc), at_lo + 8 * j, at_hi + 8 * j, ok_lo, ok_hi, dV[4 * j],
-                  dV[4 * j + 1], dV[4 * j + 2], dV[4 * j + 3], c4);
+      for (int j = 0; j < 16; ++j) {
+        wb_red_tile(static_cast<float*>(dk_acc), at_lo + 8 * j, at_hi + 8 * j, ok_lo, ok_hi, dK[4 * j] * scale,
+                    dK[4 * j + 1] * scale, dK[4 * j + 2] * scale, dK[4 * j + 3] * scale, c4);
+        wb_red_tile(static_cast<float*>(dv_acc), at_lo + 8 * j, at_hi + 8 * j, ok_lo, ok_hi, dV[4 * j],
+                    dV[4 * j + 1], dV[4 * j + 2], dV[4 * j + 3], c4);
+      }
     }
   };
   if constexpr (SHARED_KV) {
