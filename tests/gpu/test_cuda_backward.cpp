@@ -700,9 +700,10 @@ TEST(CudaBackward, SideStreamPreludeSharedKv) {
   check_side_stream(shape(8, 2, 2, 1, 64, 3, {300, 1000, 5, 129}), 55);
 }
 
-// Token chunks (FLASHMSA_BWD_CHUNK): the fast token-row form over the parts of each list whose
-// tokens lie in one chunk, dk / dv as partial sums. Chunks smaller than a block, cutting a
-// sequence, and chunks of many blocks; groups of 16 and of 8 heads; a kl_grad.
+// Token chunks (FLASHMSA_BWD_CHUNK): the token-row forms over the parts of each list whose tokens
+// lie in one chunk, dk / dv as partial sums (fp32; int64 fixed point in deterministic mode, which
+// must stay bitwise reproducible). Chunks smaller than a block, cutting a sequence, and chunks of
+// many blocks; groups of 16 and of 8 heads; a kl_grad.
 void check_token_chunks(const Shape& s, uint64_t seed) {
   Setup st;
   make_setup(st, s, seed, true, 0.7f);
@@ -713,6 +714,13 @@ void check_token_chunks(const Shape& s, uint64_t seed) {
   for (const char* chunk : {"96", "640", "2048"}) {
     gputest::ScopedEnv env("FLASHMSA_BWD_CHUNK", chunk);
     compare(run_gpu(d, st, false), cpu, std::string("fast, chunk ") + chunk);
+  }
+  gputest::ScopedEnv dq_env("FLASHMSA_DET_DQ", "kv");  // an error unless the int32 dq form runs
+  for (const char* chunk : {"96", "2048"}) {
+    gputest::ScopedEnv env("FLASHMSA_BWD_CHUNK", chunk);
+    const Grads det = run_gpu(d, st, true);
+    compare(det, cpu, std::string("det, chunk ") + chunk);
+    expect_bitwise_reruns(d, st, det, 3, "det chunks");
   }
 }
 

@@ -350,10 +350,11 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   // the lean producer this form in block-major order runs as fast as without it; perf-notes.) The
   // waves of fa.wave_ctas count along x: the host keeps block-major order (one row) when it sets them.
   constexpr bool kSweep = !SHARED_KV && !KL_ONLY;
-  // Token chunks (the fast token-row form, fa.n_chunks > 0): the grid's key-block index runs over
+  // Token chunks (the token-row forms, fa.n_chunks > 0): the grid's key-block index runs over
   // (chunk, block) pairs, chunk slower, and the CTA takes the part of its block's list whose tokens
-  // lie in the chunk (fa.chunk_bounds); dK / dV then leave as partial sums (dk_acc / dv_acc).
-  constexpr bool kChunkable = kSweep && !DET && RM > 0;
+  // lie in the chunk (fa.chunk_bounds); dK / dV then leave as partial sums (dk_acc / dv_acc: fp32,
+  // int64 fixed point with DET).
+  constexpr bool kChunkable = kSweep && RM > 0;
   const int S = kSweep ? fa.sweep_groups : Hp;
   const int gx = blockIdx.x / S, p = (kSweep ? static_cast<int>(blockIdx.y) * S : 0) + blockIdx.x % S;
   const int chunk = kChunkable && fa.n_chunks > 0 ? gx / ix.NB : 0;
@@ -999,15 +1000,26 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   wgmma_fence_operands(s1);
   if constexpr (!KL_ONLY && (!DET || RM > 0)) bulk_wait_group<0>();  // every dQ reduce-add has landed
 
-  // dK (times scale), dV of this thread's rows added into the fp32 dk_acc / dv_acc: SHARED_KV's
-  // group share and the token chunks' partial sums.
+  // dK (times scale), dV of this thread's rows added into dk_acc / dv_acc (fp32; int64 fixed point
+  // with DET): SHARED_KV's group share and the token chunks' partial sums.
   auto red_dkv = [&](int64_t at_lo, int64_t at_hi, bool ok_lo, bool ok_hi) {
+    if constexpr (DET) {
+      const float fx_k = __ldg(fx + 1), fx_v = __ldg(fx + 2);
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      wb_red_tile(static_cast<float*>(dk_acc), at_lo + 8 * j, at_hi + 8 * j, ok_lo, ok_hi, dK[4 * j] * scale,
-                  dK[4 * j + 1] * scale, dK[4 * j + 2] * scale, dK[4 * j + 3] * scale, c4);
-      wb_red_tile(static_cast<float*>(dv_acc), at_lo + 8 * j, at_hi + 8 * j, ok_lo, ok_hi, dV[4 * j],
-                  dV[4 * j + 1], dV[4 * j + 2], dV[4 * j + 3], c4);
+      for (int j = 0; j < 16; ++j) {
+        wb_fx_tile(dk_acc, at_lo + 8 * j, at_hi + 8 * j, ok_lo, ok_hi, dK[4 * j] * scale, dK[4 * j + 1] * scale,
+                   dK[4 * j + 2] * scale, dK[4 * j + 3] * scale, fx_k);
+        wb_fx_tile(dv_acc, at_lo + 8 * j, at_hi + 8 * j, ok_lo, ok_hi, dV[4 * j], dV[4 * j + 1], dV[4 * j + 2],
+                   dV[4 * j + 3], fx_v);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        wb_red_tile(static_cast<float*>(dk_acc), at_lo + 8 * j, at_hi + 8 * j, ok_lo, ok_hi, dK[4 * j] * scale,
+                    dK[4 * j + 1] * scale, dK[4 * j + 2] * scale, dK[4 * j + 3] * scale, c4);
+        wb_red_tile(static_cast<float*>(dv_acc), at_lo + 8 * j, at_hi + 8 * j, ok_lo, ok_hi, dV[4 * j],
+                    dV[4 * j + 1], dV[4 * j + 2], dV[4 * j + 3], c4);
+      }
     }
   };
   if constexpr (SHARED_KV) {
@@ -1024,24 +1036,13 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       const bool ok_lo = key_lo < bc.seq_len, ok_hi = key_lo + 8 < bc.seq_len;
       const int64_t at_lo = ((bc.seq_start + key_lo) * Hkv + kvh_c) * D + 2 * c4;
       const int64_t at_hi = at_lo + static_cast<int64_t>(8) * Hkv * D;
-      if constexpr (DET) {
-        const float fx_k = __ldg(fx + 1), fx_v = __ldg(fx + 2);
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          wb_fx_tile(dk_acc, at_lo + 8 * j, at_hi + 8 * j, ok_lo, ok_hi, dK[4 * j] * scale, dK[4 * j + 1] * scale,
-                     dK[4 * j + 2] * scale, dK[4 * j + 3] * scale, fx_k);
-          wb_fx_tile(dv_acc, at_lo + 8 * j, at_hi + 8 * j, ok_lo, ok_hi, dV[4 * j], dV[4 * j + 1], dV[4 * j + 2],
-                     dV[4 * j + 3], fx_v);
-        }
-      } else {
-        red_dkv(at_lo, at_hi, ok_lo, ok_hi);
-      }
+      red_dkv(at_lo, at_hi, ok_lo, ok_hi);
     }
   } else if constexpr (!KL_ONLY) {
     bool partial = false;
     if constexpr (kChunkable) partial = fa.n_chunks > 0;
     if (partial) {
-      // A chunk's share of dk, dv, added as SHARED_KV's fast form adds its group's.
+      // A chunk's share of dk, dv, added as SHARED_KV adds its group's.
       const int key_lo = bc.key0 + kr;
       const bool ok_lo = key_lo < bc.seq_len, ok_hi = key_lo + 8 < bc.seq_len;
       const int64_t at_lo = ((bc.seq_start + key_lo) * Hkv + kvh) * D + 2 * c4;

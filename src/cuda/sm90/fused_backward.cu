@@ -271,14 +271,23 @@ bool alternate_waves(const MsaParams& p) {
   return p.all_blocks;
 }
 
-// FLASHMSA_BWD_CHUNK: tokens per chunk of the fast token-row wgmma backward's lists (FoldArgs::
-// n_chunks), 0 or unset: whole lists; FLASHMSA_BWD_CHUNK_GROUPS: the proxy groups swept together
-// inside a chunk (a divisor of Hp, default 1). Read per call.
-int backward_chunk_tokens(int64_t T) {
+// Tokens per chunk of the token-row wgmma backward's lists (FoldArgs::n_chunks; 0: whole lists).
+// Fast mode's default: T / 5 below 64k tokens, T / 4 from there, none under 4096 tokens a chunk
+// (H200, m3 32k / 64k / 128k: -0.15..-0.35 / -0.9..-1.45 / -1.6..-2.4 ms, bench/results/
+// h200_bwd_chunk_counts_table.txt and h200_bwd_chunks_default_ab.log; 2048-token chunks lose 3.3 ms
+// at 64k). Deterministic mode: none by default (its int64 partial adds and the extra o / dO maxima
+// cost more than the chunks gain: +1.0 ms at m3/64k). FLASHMSA_BWD_CHUNK: tokens (0: none),
+// FLASHMSA_BWD_CHUNKS: a count, either mode; FLASHMSA_BWD_CHUNK_GROUPS: the proxy groups swept
+// together inside a chunk (a divisor of Hp, default 1). Read per call.
+int backward_chunk_tokens(int64_t T, bool det) {
   if (const char* v = std::getenv("FLASHMSA_BWD_CHUNK")) return std::max(0, std::atoi(v));
-  const char* n = std::getenv("FLASHMSA_BWD_CHUNKS");
-  const int count = n ? std::atoi(n) : 0;
-  return count > 0 ? static_cast<int>((T + count - 1) / count) : 0;
+  if (const char* n = std::getenv("FLASHMSA_BWD_CHUNKS")) {
+    const int count = std::atoi(n);
+    return count > 0 ? static_cast<int>((T + count - 1) / count) : 0;
+  }
+  if (det) return 0;
+  const int64_t count = T >= 65536 ? 4 : 5, chunk = (T + count - 1) / count;
+  return chunk >= 4096 ? static_cast<int>(chunk) : 0;
 }
 int chunk_groups(int Hp) {
   const char* v = std::getenv("FLASHMSA_BWD_CHUNK_GROUPS");
@@ -641,9 +650,10 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // permuted (convert_acc_kernel's `permuted`). Deterministic mode takes them only with the int32
   // dq (not with FLASHMSA_DET_DQ=query: the per-head DET form and the query-major dq).
   const int token_rows = takes_wgmma && rows_shape && (!det || dq_kv_int32) ? m : 0;
-  // Token chunks (FLASHMSA_BWD_CHUNK): the fast token-row form only; dk / dv through accumulators.
-  const int chunk_tokens = backward_chunk_tokens(T);
-  const int n_chunks = token_rows > 0 && !det && !alternate_waves(p) && chunk_tokens > 0 && chunk_tokens < T
+  // Token chunks (backward_chunk_tokens): the token-row forms only (fast, and DET when asked for);
+  // dk / dv through accumulators (DET: int64 fixed point).
+  const int chunk_tokens = backward_chunk_tokens(T, det);
+  const int n_chunks = token_rows > 0 && !alternate_waves(p) && chunk_tokens > 0 && chunk_tokens < T
                            ? static_cast<int>((T + chunk_tokens - 1) / chunk_tokens)
                            : 0;
   const bool dkv_in_acc = !main_owned || n_chunks > 0;
@@ -744,13 +754,14 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
     const int64_t sizes[7] = {T * p.H * p.D, T * p.Hkv * p.D, T * p.Hkv * p.Dv, T * p.H * p.Dv,
                               T * p.H * p.Dv, T * p.Hp * p.Dp, T * p.Hpk * p.Dp};
     // The bounds of the accumulators that exist (fixed_point_kernel): an int64 dq needs k, v, o, dO;
-    // the int32 dq's per-row factors (di_kernel) k and v; non-owned dk/dv q, v, o, dO; dqp and dkp
+    // the int32 dq's per-row factors (di_kernel) k and v; dk/dv accumulators (non-owned, or token
+    // chunks) q, v, o, dO; dqp and dkp
     // kp and qp. q, k, v, qp and kp are always read, so that a non-finite one poisons the factors
     // (q: ~0.35 ms at m3/64k); o and dO (~0.7 ms) only when a bound needs them: a non-finite value
     // there reaches the gradients through D / dP, which the int32 dq's per-row factors and the
     // float paths carry.
     const bool dq_int64 = !dq_query_major && !dq_kv_int32;
-    const bool main_bounds = dq_int64 || !main_owned;
+    const bool main_bounds = dq_int64 || dkv_in_acc;
     const bool needed[7] = {true, true, true, main_bounds, main_bounds, true, true};
     for (int i = 0; i < 7; ++i) {
       if (!needed[i]) continue;  // its amax stays 0: the factors that use it are never read
