@@ -389,7 +389,7 @@ struct FoldArgs {
   // sweep_groups); FLASHMSA_BWD_ORDER, see fused_backward.cu). A divisor of Hp, set by the host
   // for every G = 1 launch (the SHARED_KV and KL_ONLY forms are always block-major).
   int sweep_groups = 0;
-  // > 0: the fast token-row wgmma form's token chunks (fused_backward.cu): grid x runs over
+  // > 0: the token-row wgmma forms' token chunks (fused_backward.cu): grid x runs over
   // (chunk, key block, group in the sweep), and a CTA takes the entries chunk_bounds[(p NB + g)
   // (n_chunks + 1) + c] .. [.. + c + 1] of its block's list; dk / dv go into dk_acc / dv_acc.
   int n_chunks = 0;
