@@ -1000,9 +1000,14 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   wgmma_fence_operands(s1);
   if constexpr (!KL_ONLY && (!DET || RM > 0)) bulk_wait_group<0>();  // every dQ reduce-add has landed
 
-  // dK (times scale), dV of this thread's rows added into dk_acc / dv_acc (fp32; int64 fixed point
-  // with DET): SHARED_KV's group share and the token chunks' partial sums.
-  auto red_dkv = [&](int64_t at_lo, int64_t at_hi, bool ok_lo, bool ok_hi) {
+  // dK (times scale), dV of this thread's rows of kv head kv_head added into dk_acc / dv_acc (fp32;
+  // int64 fixed point with DET): SHARED_KV's group share and the token chunks' partial sums. Rows
+  // past the sequence end belong to another sequence: predicated off.
+  auto red_dkv = [&](int kv_head) {
+    const int key_lo = bc.key0 + kr;
+    const bool ok_lo = key_lo < bc.seq_len, ok_hi = key_lo + 8 < bc.seq_len;
+    const int64_t at_lo = ((bc.seq_start + key_lo) * Hkv + kv_head) * D + 2 * c4;
+    const int64_t at_hi = at_lo + static_cast<int64_t>(8) * Hkv * D;
     if constexpr (DET) {
       const float fx_k = __ldg(fx + 1), fx_v = __ldg(fx + 2);
 #pragma unroll
@@ -1023,45 +1028,31 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     }
   };
   if constexpr (SHARED_KV) {
-    // This group's share of dk, dv. Rows past the sequence end belong to another sequence:
-    // predicated off. Also run by a CTA without tokens (adding zeros): an `if (steps > 0)` here
-    // made ptxas inject a warpgroup.wait (C7517).
-    {
-      // p read again from %ctaid through an opaque move: with kvh (or p itself) held through
-      // the loop, one register spilled.
-      unsigned cta;
-      asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(cta));
-      const int kvh_c = static_cast<int>(cta % static_cast<unsigned>(Hp)) / (Hp / Hkv);
-      const int key_lo = bc.key0 + kr;
-      const bool ok_lo = key_lo < bc.seq_len, ok_hi = key_lo + 8 < bc.seq_len;
-      const int64_t at_lo = ((bc.seq_start + key_lo) * Hkv + kvh_c) * D + 2 * c4;
-      const int64_t at_hi = at_lo + static_cast<int64_t>(8) * Hkv * D;
-      red_dkv(at_lo, at_hi, ok_lo, ok_hi);
-    }
+    // This group's share of dk, dv. Also run by a CTA without tokens (adding zeros): an
+    // `if (steps > 0)` here made ptxas inject a warpgroup.wait (C7517). p read again from %ctaid
+    // through an opaque move: with kvh (or p itself) held through the loop, one register spilled.
+    unsigned cta;
+    asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(cta));
+    red_dkv(static_cast<int>(cta % static_cast<unsigned>(Hp)) / (Hp / Hkv));
   } else if constexpr (!KL_ONLY) {
     bool partial = false;
     if constexpr (kChunkable) partial = fa.n_chunks > 0;
     if (partial) {
-      // A chunk's share of dk, dv, added as SHARED_KV adds its group's.
-      const int key_lo = bc.key0 + kr;
-      const bool ok_lo = key_lo < bc.seq_len, ok_hi = key_lo + 8 < bc.seq_len;
-      const int64_t at_lo = ((bc.seq_start + key_lo) * Hkv + kvh) * D + 2 * c4;
-      const int64_t at_hi = at_lo + static_cast<int64_t>(8) * Hkv * D;
-      red_dkv(at_lo, at_hi, ok_lo, ok_hi);
+      red_dkv(kvh);  // a chunk's share of dk, dv
     } else {
-    // dk, dv rows of this thread's keys; rows past the sequence end belong to another sequence.
+      // dk, dv rows of this thread's keys; rows past the sequence end belong to another sequence.
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int key = bc.key0 + kr + 8 * half;
-      if (key >= bc.seq_len) continue;
-      const int64_t at = ((bc.seq_start + key) * Hkv + kvh) * D + 2 * c4;
+      for (int half = 0; half < 2; ++half) {
+        const int key = bc.key0 + kr + 8 * half;
+        if (key >= bc.seq_len) continue;
+        const int64_t at = ((bc.seq_start + key) * Hkv + kvh) * D + 2 * c4;
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        *reinterpret_cast<uint32_t*>(dk + at + 8 * j) =
-            pack_bf16x2(dK[4 * j + 2 * half] * scale, dK[4 * j + 2 * half + 1] * scale);
-        *reinterpret_cast<uint32_t*>(dv + at + 8 * j) = pack_bf16x2(dV[4 * j + 2 * half], dV[4 * j + 2 * half + 1]);
+        for (int j = 0; j < 16; ++j) {
+          *reinterpret_cast<uint32_t*>(dk + at + 8 * j) =
+              pack_bf16x2(dK[4 * j + 2 * half] * scale, dK[4 * j + 2 * half + 1] * scale);
+          *reinterpret_cast<uint32_t*>(dv + at + 8 * j) = pack_bf16x2(dV[4 * j + 2 * half], dV[4 * j + 2 * half + 1]);
+        }
       }
-    }
     }
   }
 
