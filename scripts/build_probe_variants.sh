@@ -1,28 +1,34 @@
 #!/usr/bin/env bash
-# Builds the L2-window timing probes of docs/prepared/probe-l2-window.patch (wrong results by design)
-# for an A/B on the device: one commit per variant on a throwaway branch, then build_variants.sh.
-#   p0    the patch with both windows 0 (the base: the patch alone changes the SASS a little)
-#   dq    dQ / dqp reduce-adds folded into a 1024-token window (32 MB of dQ rows at H = 64: in L2)
-#   ga    gathered Q / dO / Qp rows folded into a 1024-token window
-#   both  both
+# Builds timing probes (wrong results by design) from a prepared patch for an A/B on the device:
+# the patch applied on HEAD, one commit per variant on a throwaway worktree with the patch's macros
+# set, then build_variants.sh. A variant is name=FILE:MACRO=VALUE[,MACRO=VALUE...]; every macro must
+# appear in FILE as "#define MACRO 0".
+#   bash scripts/build_probe_variants.sh ab35 docs/prepared/probe-l2-window.patch \
+#     p0=src/cuda/sm90/backward_wgmma.cuh:FLASHMSA_PROBE_DQ_WINDOW=0 \
+#     dq=src/cuda/sm90/backward_wgmma.cuh:FLASHMSA_PROBE_DQ_WINDOW=1024
+#   bash scripts/build_probe_variants.sh ab37 docs/prepared/probe-forward.patch \
+#     p0=src/cuda/sm90/forward_kv_wgmma.cu:FLASHMSA_PROBE_FWD=0 nr=src/cuda/sm90/forward_kv_wgmma.cu:FLASHMSA_PROBE_FWD=1
 # Then on the device (carry [DIR]): AB_DIR=DIR CHECK=0 ROUNDS=2 bash scripts/gpu_next.sh ab
-#   bash scripts/build_probe_variants.sh ab35
+# (p0, the patch with its macros 0, is the base: the patch alone can move the SASS a little.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DIR=${1:?usage: build_probe_variants.sh DIR}
-WINDOW=${WINDOW:-1024}
+DIR=${1:?usage: build_probe_variants.sh DIR PATCH name=FILE:MACRO=VALUE[,...]...}
+patch=$(realpath "${2:?usage: build_probe_variants.sh DIR PATCH name=FILE:MACRO=VALUE[,...]...}")
+shift 2
 base=$(git rev-parse HEAD)
-patch=$PWD/docs/prepared/probe-l2-window.patch
 wt=$(mktemp -d)
 git worktree add -f --detach "$wt" "$base" >/dev/null
 trap 'git worktree remove --force "$wt" 2>/dev/null; git worktree prune' EXIT
 specs=()
-for v in p0:0:0 dq:$WINDOW:0 ga:0:$WINDOW both:$WINDOW:$WINDOW; do
-  IFS=: read -r name wdq wga <<< "$v"
+for v in "$@"; do
+  name=${v%%=*} rest=${v#*=}
+  file=${rest%%:*} defs=${rest#*:}
   (cd "$wt" && git checkout -q --detach "$base" && git apply "$patch" &&
-    sed -i "s/^#define FLASHMSA_PROBE_DQ_WINDOW 0$/#define FLASHMSA_PROBE_DQ_WINDOW $wdq/; s/^#define FLASHMSA_PROBE_GATHER_WINDOW 0$/#define FLASHMSA_PROBE_GATHER_WINDOW $wga/" \
-      src/cuda/sm90/backward_wgmma.cuh &&
-    git -c user.name=probe -c user.email=probe@localhost commit -qam "probe $name (dq $wdq, gather $wga)")
+    IFS=, && for d in $defs; do
+      grep -q "^#define ${d%%=*} 0$" "$file" || { echo "no '#define ${d%%=*} 0' in $file" >&2; exit 1; }
+      sed -i "s/^#define ${d%%=*} 0$/#define ${d%%=*} ${d#*=}/" "$file"
+    done &&
+    git -c user.name=probe -c user.email=probe@localhost commit -qam "probe $name ($defs)")
   specs+=("$name=$(git -C "$wt" rev-parse HEAD)")
 done
 bash scripts/build_variants.sh "$DIR" "${specs[@]}"
