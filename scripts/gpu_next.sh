@@ -14,11 +14,16 @@
 #                                     e.g. with
 #     bash scripts/build_variants.sh ab21 main=main x=exp/some-branch:tests
 #     and carry ["ab21"]: AB_DIR=ab21 TEST_FILTER='CudaBackward.*:CudaGraph.*' bash scripts/gpu_next.sh ab
-# Prepared (thirty-fourth session): the backward's L2-window timing probes (docs/prepared/
-# probe-l2-window.patch, wrong results by design: whether keeping the dQ rows or the gathered rows in
-# L2, what a token-chunked backward would do, is worth building; perf-notes):
-#     bash scripts/build_probe_variants.sh ab35      # p0 (base), dq, ga, both; ~5 min here (ccache warm)
-#     carry ["ab35"]: AB_DIR=ab35 CHECK=0 ROUNDS=2 bash scripts/gpu_next.sh ab
+# Prepared (thirty-seventh session): where the deterministic step's extra ~13 ms go (+25.8% at
+# 9059f86): timing probes in docs/prepared/probe-det.patch (wrong results by design, except qm):
+#   p0 the patch with its macros 0; ps the deterministic forward without its first pass (det_sum);
+#   dk the DET backward's proxy steps without their int64 dkp REDs (64 scalar u64 REDs per thread and
+#   step against the fast form's 16 v4.f32); qm max|q| read only where a factor needs it
+#     F=src/cuda/sm90; bash scripts/build_probe_variants.sh ab40 docs/prepared/probe-det.patch \
+#       p0=$F/forward_kv_wgmma.cu:FLASHMSA_PROBE_DET_PASS1=0 ps=$F/forward_kv_wgmma.cu:FLASHMSA_PROBE_DET_PASS1=1 \
+#       dk=$F/backward_wgmma.cuh:FLASHMSA_PROBE_DET_DKP=1 qm=$F/fused_backward.cu:FLASHMSA_PROBE_DET_QMAX=1
+#     carry ["ab40"]: AB_DIR=ab40 CHECK=0 ROUNDS=2 CONFIGS="det64k:--seqlen 65536 --deterministic" \
+#       bash scripts/gpu_next.sh ab
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-record}
