@@ -39,7 +39,8 @@ struct Config {
   int block = 128, topk = 16, local_blocks = 1, threads = 0, iters = 0, check_tokens = 6,
       check_keys = 2;
   float kl_coeff = 1.f;
-  bool deterministic = false, full_check = false, quiet = false, forward_kl = false, graph = false;
+  bool deterministic = false, full_check = false, quiet = false, forward_kl = false, graph = false,
+       bitwise_reruns = false;
   uint64_t seed = 1234;
   std::string json;
 };
@@ -67,6 +68,8 @@ void usage() {
       "  --threads N        CPU worker threads (0 = all)\n"
       "  --check-tokens N   query tokens in the fp64 slice check (6); --check-keys N key tokens (2)\n"
       "  --full-check       on CUDA also run the whole step on the CPU backend and compare all outputs\n"
+      "  --bitwise-reruns   (with --deterministic) every timed step's gradients and KL value must have\n"
+      "                     the same bits as the first one's (a hash of each, downloaded after the step)\n"
       "  --seed N           input seed (1234)\n"
       "  --json FILE        write every figure as JSON\n"
       "  --quiet            no progress lines\n");
@@ -114,6 +117,7 @@ Config parse(int argc, char** argv) {
     else if (a == "--json") c.json = need(i);
     else if (a == "--deterministic") c.deterministic = true;
     else if (a == "--full-check") c.full_check = true;
+    else if (a == "--bitwise-reruns") c.bitwise_reruns = true;
     else if (a == "--forward-kl") c.forward_kl = true;
     else if (a == "--graph") c.graph = true;
     else if (a == "--quiet") c.quiet = true;
@@ -480,6 +484,14 @@ int main(int argc, char** argv) {
   const bool sparse = opt.mode == Mode::sparse;
 
   std::vector<double> t_sel, t_fwd, t_bwd;
+  // --bitwise-reruns: a hash (FNV-1a over the bytes) of the gradients and KL value of each timed step.
+  auto step_hash = [&] {
+    uint64_t h = 1469598103934665603ull;
+    for (const Buffer* t : {&bdq, &bdk, &bdv, &bdqp, &bdkp, &bkl})
+      for (unsigned char byte : t->download().bytes) h = (h ^ byte) * 1099511628211ull;
+    return h;
+  };
+  std::vector<uint64_t> hashes;
   WorkspaceMeter meter{cuda};
   int64_t ws_fwd = 0, ws_bwd = 0;
   try {
@@ -504,6 +516,7 @@ int main(int argc, char** argv) {
         t_sel.push_back(s);
         t_fwd.push_back(f);
         t_bwd.push_back(b);
+        if (c.bitwise_reruns) hashes.push_back(step_hash());
       }
       log("step %d/%d: select %.2f ms, forward %.2f ms, backward %.2f ms%s", it + 1,
           warmup + c.iters, s, f, b, timed ? "" : " (warm-up)");
@@ -657,6 +670,9 @@ int main(int argc, char** argv) {
     for (float x : *vec)
       if (!std::isfinite(x)) { finite = false; break; }
   pass = pass && finite;
+  bool bitwise = true;
+  for (uint64_t h : hashes) bitwise = bitwise && h == hashes.front();
+  pass = pass && bitwise;
 
   std::string full_summary;
   if (cuda && c.full_check) {
@@ -727,6 +743,9 @@ int main(int argc, char** argv) {
   std::printf("%s\n", rep.summary().c_str());
   if (!full_summary.empty()) std::printf("%s\n", full_summary.c_str());
   if (!finite) std::printf("non-finite values in the outputs (unwritten or overflow)\n");
+  if (!hashes.empty())
+    std::printf("bitwise reruns: the gradients and KL value of the %zu timed steps %s\n", hashes.size(),
+                bitwise ? "have identical bits" : "DIFFER");
   std::printf("RESULT: %s\n", pass ? "PASS" : "FAIL");
 
   if (!c.json.empty()) {

@@ -422,6 +422,19 @@ TEST(CudaBackward, DeterministicWgmmaGroupOf16K16) {
   check_deterministic_wgmma(shape(32, 2, 2, 1, 128, 16, {2200, 333}), 27, 0.6f);
 }
 
+// The deterministic dkp's two forms: per-proxy-head fp32 partials (the default without token
+// chunks: one CTA adds each row of a partial, in a fixed order) and the int64 fixed point into the
+// shared accumulator (FLASHMSA_DET_DKP=int64), each against the CPU and bitwise over reruns.
+TEST(CudaBackward, DeterministicDkpForms) {
+  GPUTEST_REQUIRE_DEVICE();
+  const Shape s = shape(32, 2, 2, 1, 128, 16, {1900, 333});
+  for (const char* form : {static_cast<const char*>(nullptr), "int64"}) {
+    gputest::ScopedEnv env("FLASHMSA_DET_DKP", form);
+    std::printf("  FLASHMSA_DET_DKP=%s\n", form ? form : "(unset)");
+    check_deterministic_wgmma(s, 28, 0.7f);
+  }
+}
+
 // ---- kv heads shared by G = Hp/Hkv > 1 proxy groups (the wgmma kernel's SHARED_KV form) ----
 
 void expect_close(const Grads& a, const Grads& b, const std::string& what) {
