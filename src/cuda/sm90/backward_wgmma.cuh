@@ -850,13 +850,14 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_operands(acc);
-        if (DET && fa.dkp_per_head) {
-          // Partial p of dkp (fp32, the fast form's 16-byte REDs): rows (key, p) get adds from this
-          // CTA only (one CTA per (p, key block) without token chunks), each element always from the
-          // same lane, and one thread's REDs to one address apply in program order (PTX memory model:
-          // program order is part of causality order, which coherence order follows), so the sums
-          // do not depend on timing. The Hp / Hpk partials of a key head are summed in a fixed order
-          // at the end (sum_partials_kernel).
+        if (fa.dkp_per_head) {
+          // Partial p of dkp (fp32, the fast form's 16-byte REDs). DET: rows (key, p) get adds from
+          // this CTA only (one CTA per (p, key block) without token chunks), each element always from
+          // the same lane, and one thread's REDs to one address apply in program order (PTX memory
+          // model: program order is part of causality order, which coherence order follows), so the
+          // sums do not depend on timing. The Hp / Hpk partials of a key head are summed in a fixed
+          // order at the end (sum_partials_kernel). Fast mode (opt-in): the Hp / Hpk CTAs of a key
+          // block then add to different rows.
           const int64_t pat_lo = ((bc.seq_start + key_lo) * Hp + p) * D + 2 * c4;
           const int64_t pat_hi = pat_lo + static_cast<int64_t>(8) * Hp * D;
 #pragma unroll

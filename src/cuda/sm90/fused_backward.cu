@@ -684,8 +684,10 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // the Hp / Hpk heads of a key head at the end, instead of int64 fixed-point REDs into [T, Hpk, Dp]:
   // 16-byte fp32 REDs instead of four 8-byte ones per lane (the int64 REDs cost 6.6 ms of the
   // deterministic backward at m3/64k, the fast form's 2.1: timing probes, h200_dkp_red_probes_ab41.log).
-  // FLASHMSA_DET_DKP=int64 keeps the fixed point (A/B; read per call).
-  const bool dkp_per_head = det && takes_wgmma && n_chunks == 0 && !env_is("FLASHMSA_DET_DKP", "int64");
+  // FLASHMSA_DET_DKP=int64 keeps the fixed point (A/B; read per call). FLASHMSA_DKP_PARTIALS=1: the
+  // partials in fast mode too (A/B: the Hp / Hpk CTAs of a key block then add to different rows).
+  const bool dkp_per_head = takes_wgmma && (det ? n_chunks == 0 && !env_is("FLASHMSA_DET_DKP", "int64")
+                                                : env_is("FLASHMSA_DKP_PARTIALS", "1"));
   const int64_t dkp_rows = dkp_per_head ? p.Hp : p.Hpk;
   const size_t dkp_elem = dkp_per_head ? 4 : acc_elem;
   if (backward_rows_env("1") && token_rows == 0)
