@@ -5,7 +5,7 @@
 #   bash scripts/build_gpu_bundle.sh      # -> scratch-gpu/ (flashmsa_gpu_tests, flashmsa_run, _C.so)
 # and the device call carries scratch-gpu. Stages, as arguments or in $STAGES: tests sanitizer main
 # python scale bench racecheck (default: all; racecheck_wgmma on request); `scale` runs the main job
-# at m3 64k (phase split, memory), 1M tokens, deterministic 64k, fm16k and the dense warm-up at 16k
+# at m3 64k (phase split, memory), 1M tokens, deterministic 64k (timed, and bitwise over 5 steps), fm16k and the dense warm-up at 16k
 # (with --graph: the step captured in a CUDA graph, too). `timeline` (not in the default) lists one
 # op step's kernels with their streams and the GPU's idle time at m3 64k / 32k and fm16k.
 set -uo pipefail
@@ -75,6 +75,10 @@ if has scale; then
     --json "$LOGS/m3_1M.json"
   run_stage m3_64k_det "$BIN/flashmsa_run" --device cuda --seqlen 65536 --check-tokens 0 --deterministic --graph \
     --json "$LOGS/m3_64k_det.json"
+  # Bitwise over 5 steps at scale (a separate run: the hashes' downloads leave the GPU idle between
+  # steps, which would flatter the timed run's clocks).
+  run_stage m3_64k_det_bitwise "$BIN/flashmsa_run" --device cuda --seqlen 65536 --check-tokens 0 --deterministic \
+    --iters 5 --bitwise-reruns
   run_stage fm16k "$BIN/flashmsa_run" --device cuda --seqlen 16384 --heads 16 --kv-heads 2 --check-tokens 2 \
     --check-keys 1 --graph --json "$LOGS/fm16k.json"
   run_stage m3_16k_warmup "$BIN/flashmsa_run" --device cuda --seqlen 16384 --mode warmup --check-tokens 2 \

@@ -14,16 +14,17 @@
 #                                     e.g. with
 #     bash scripts/build_variants.sh ab21 main=main x=exp/some-branch:tests
 #     and carry ["ab21"]: AB_DIR=ab21 TEST_FILTER='CudaBackward.*:CudaGraph.*' bash scripts/gpu_next.sh ab
-# Prepared (thirty-seventh session): where the deterministic step's extra ~13 ms go (+25.8% at
-# 9059f86): timing probes in docs/prepared/probe-det.patch (wrong results by design, except qm):
-#   p0 the patch with its macros 0; ps the deterministic forward without its first pass (det_sum);
-#   dk the DET backward's proxy steps without their int64 dkp REDs (64 scalar u64 REDs per thread and
-#   step against the fast form's 16 v4.f32); qm max|q| read only where a factor needs it
-#     F=src/cuda/sm90; bash scripts/build_probe_variants.sh ab40 docs/prepared/probe-det.patch \
-#       p0=$F/forward_kv_wgmma.cu:FLASHMSA_PROBE_DET_PASS1=0 ps=$F/forward_kv_wgmma.cu:FLASHMSA_PROBE_DET_PASS1=1 \
-#       dk=$F/backward_wgmma.cuh:FLASHMSA_PROBE_DET_DKP=1 qm=$F/fused_backward.cu:FLASHMSA_PROBE_DET_QMAX=1
-#     carry ["ab40"]: AB_DIR=ab40 CHECK=0 ROUNDS=2 CONFIGS="det64k:--seqlen 65536 --deterministic" \
-#       bash scripts/gpu_next.sh ab
+# Prepared (thirty-eighth session): the deterministic dkp as per-proxy-head fp32 partials. The step's
+# +12.5 ms over fast at m3/64k (timing probes, bench/results/h200_det_probes_ab40.log,
+# h200_dkp_red_probes_ab41.log): 5.7 the forward's first pass, 6.6 the backward's int64 dkp REDs
+# (the fast form's fp32 ones: 2.1). docs/prepared/det-dkp-partials.patch (compiled, not run):
+#     git checkout -b exp/det-dkp-partials && git apply docs/prepared/det-dkp-partials.patch && git commit -qam ..
+#     git checkout main && bash scripts/build_variants.sh ab42 main=main x=exp/det-dkp-partials:tests
+#   carry ["ab42"]: AB_DIR=ab42 TEST_FILTER='CudaBackward.*:CudaGraph.*:CudaWorkspace.*:CudaWarmup*' \
+#     VARIANTS="main=ab42/run_main;x=ab42/run_x;xi=ab42/run_x,FLASHMSA_DET_DKP=int64;xp=ab42/run_x,FLASHMSA_DKP_PARTIALS=1" \
+#     CONFIGS="det64k:--seqlen 65536 --deterministic;m3_64k:--seqlen 65536" bash scripts/gpu_next.sh ab
+#   (then m3_32k and fm16k the same way), and bitwise at scale: ab42/run_x --device cuda --seqlen 65536
+#   --deterministic --iters 5 --bitwise-reruns --check-tokens 0. Predicted: det backward ~41.3 -> ~36.8 ms.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-record}

@@ -422,19 +422,6 @@ TEST(CudaBackward, DeterministicWgmmaGroupOf16K16) {
   check_deterministic_wgmma(shape(32, 2, 2, 1, 128, 16, {2200, 333}), 27, 0.6f);
 }
 
-// The deterministic dkp's two forms: per-proxy-head fp32 partials (the default without token
-// chunks: one CTA adds each row of a partial, in a fixed order) and the int64 fixed point into the
-// shared accumulator (FLASHMSA_DET_DKP=int64), each against the CPU and bitwise over reruns.
-TEST(CudaBackward, DeterministicDkpForms) {
-  GPUTEST_REQUIRE_DEVICE();
-  const Shape s = shape(32, 2, 2, 1, 128, 16, {1900, 333});
-  for (const char* form : {static_cast<const char*>(nullptr), "int64"}) {
-    gputest::ScopedEnv env("FLASHMSA_DET_DKP", form);
-    std::printf("  FLASHMSA_DET_DKP=%s\n", form ? form : "(unset)");
-    check_deterministic_wgmma(s, 28, 0.7f);
-  }
-}
-
 // ---- kv heads shared by G = Hp/Hkv > 1 proxy groups (the wgmma kernel's SHARED_KV form) ----
 
 void expect_close(const Grads& a, const Grads& b, const std::string& what) {
@@ -727,13 +714,6 @@ void check_token_chunks(const Shape& s, uint64_t seed) {
   for (const char* chunk : {"96", "640", "2048"}) {
     gputest::ScopedEnv env("FLASHMSA_BWD_CHUNK", chunk);
     compare(run_gpu(d, st, false), cpu, std::string("fast, chunk ") + chunk);
-  }
-  {
-    gputest::ScopedEnv partials("FLASHMSA_DKP_PARTIALS", "1");  // fast mode's per-proxy-head dkp partials
-    for (const char* chunk : {"0", "640"}) {
-      gputest::ScopedEnv env("FLASHMSA_BWD_CHUNK", chunk);
-      compare(run_gpu(d, st, false), cpu, std::string("fast, dkp partials, chunk ") + chunk);
-    }
   }
   gputest::ScopedEnv dq_env("FLASHMSA_DET_DQ", "kv");  // an error unless the int32 dq form runs
   for (const char* chunk : {"96", "2048"}) {

@@ -850,23 +850,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_operands(acc);
-        if (fa.dkp_per_head) {
-          // Partial p of dkp (fp32, the fast form's 16-byte REDs). DET: rows (key, p) get adds from
-          // this CTA only (one CTA per (p, key block) without token chunks), each element always from
-          // the same lane, and one thread's REDs to one address apply in program order (PTX memory
-          // model: program order is part of causality order, which coherence order follows), so the
-          // sums do not depend on timing. The Hp / Hpk partials of a key head are summed in a fixed
-          // order at the end (sum_partials_kernel). Fast mode (opt-in): the Hp / Hpk CTAs of a key
-          // block then add to different rows.
-          const int64_t pat_lo = ((bc.seq_start + key_lo) * Hp + p) * D + 2 * c4;
-          const int64_t pat_hi = pat_lo + static_cast<int64_t>(8) * Hp * D;
-#pragma unroll
-          for (int j = 0; j < 8; ++j)
-            wb_red_tile(static_cast<float*>(fa.dkp_acc), pat_lo + 64 * half + 8 * j, pat_hi + 64 * half + 8 * j,
-                        key_lo < bc.seq_len, key_lo + 8 < bc.seq_len, acc[4 * j] * fa.scale_p,
-                        acc[4 * j + 1] * fa.scale_p, acc[4 * j + 2] * fa.scale_p, acc[4 * j + 3] * fa.scale_p,
-                        c4);
-        } else if constexpr (DET) {
+        if constexpr (DET) {
 #pragma unroll
           for (int j = 0; j < 8; ++j)
             wb_fx_tile(fa.dkp_acc, kat_lo + 64 * half + 8 * j, kat_hi + 64 * half + 8 * j, key_lo < bc.seq_len,
