@@ -5,8 +5,8 @@
 #   bash scripts/build_gpu_bundle.sh      # -> scratch-gpu/ (flashmsa_gpu_tests, flashmsa_run, _C.so)
 # and the device call carries scratch-gpu. Stages, as arguments or in $STAGES: tests sanitizer main
 # python scale bench racecheck (default: all; racecheck_wgmma on request); `scale` runs the main job
-# at m3 64k (phase split, memory), 1M tokens, deterministic 64k (timed, and bitwise over 5 steps), fm16k and the dense warm-up at 16k
-# (with --graph: the step captured in a CUDA graph, too). `timeline` (not in the default) lists one
+# at m3 64k (phase split, memory), 1M tokens, deterministic 64k (timed, and bitwise over 5 steps), fm16k
+# and the dense warm-up at 16k (with --graph: the step captured in a CUDA graph, too). `timeline` (not in the default) lists one
 # op step's kernels with their streams and the GPU's idle time at m3 64k / 32k and fm16k.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -18,7 +18,8 @@
 # +12.5 ms over fast at m3/64k (timing probes, bench/results/h200_det_probes_ab40.log,
 # h200_dkp_red_probes_ab41.log): 5.7 the forward's first pass, 6.6 the backward's int64 dkp REDs
 # (the fast form's fp32 ones: 2.1). docs/prepared/det-dkp-partials.patch (compiled, not run):
-#     git checkout -b exp/det-dkp-partials && git apply docs/prepared/det-dkp-partials.patch && git commit -qam ..
+#     git checkout -b exp/det-dkp-partials && git apply docs/prepared/det-dkp-partials.patch &&
+#       git commit -qam "deterministic dkp as fp32 partials per proxy head (docs/prepared/det-dkp-partials.patch)"
 #     git checkout main && bash scripts/build_variants.sh ab42 main=main x=exp/det-dkp-partials:tests
 #   carry ["ab42"]: AB_DIR=ab42 TEST_FILTER='CudaBackward.*:CudaGraph.*:CudaWorkspace.*:CudaWarmup*' \
 #     VARIANTS="main=ab42/run_main;x=ab42/run_x;xi=ab42/run_x,FLASHMSA_DET_DKP=int64;xp=ab42/run_x,FLASHMSA_DKP_PARTIALS=1" \
