@@ -23,9 +23,11 @@
 #     git checkout main && bash scripts/build_variants.sh ab42 main=main x=exp/det-dkp-partials:tests
 #   carry ["ab42"]: AB_DIR=ab42 TEST_FILTER='CudaBackward.*:CudaGraph.*:CudaWorkspace.*:CudaWarmup*' \
 #     VARIANTS="main=ab42/run_main;x=ab42/run_x;xi=ab42/run_x,FLASHMSA_DET_DKP=int64;xp=ab42/run_x,FLASHMSA_DKP_PARTIALS=1" \
-#     CONFIGS="det64k:--seqlen 65536 --deterministic;m3_64k:--seqlen 65536" bash scripts/gpu_next.sh ab
-#   (then m3_32k and fm16k the same way), and bitwise at scale: ab42/run_x --device cuda --seqlen 65536
-#   --deterministic --iters 5 --bitwise-reruns --check-tokens 0. Predicted: det backward ~41.3 -> ~36.8 ms.
+#     CONFIGS="det64k:--seqlen 65536 --deterministic;m3_64k:--seqlen 65536;m3_32k:--seqlen 32768;fm16k:--seqlen 16384 --heads 16 --kv-heads 2" \
+#     OUT=$OUT bash scripts/gpu_next.sh ab; ab42/run_x --device cuda --seqlen 65536 --deterministic --iters 5 \
+#     --bitwise-reruns --check-tokens 0 | tail -3
+#   (one call, ~7 min: the tests ~1.5, 32 runs ~5, the bitwise run ~0.7). Predicted: det backward
+#   ~41.3 -> ~36.8 ms; xp says whether same-row contention is part of the fast form's 2.1 ms of dkp REDs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-record}
