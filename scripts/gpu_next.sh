@@ -27,7 +27,7 @@
 #     OUT=$OUT bash scripts/gpu_next.sh ab; ab42/run_x --device cuda --seqlen 65536 --deterministic --iters 5 \
 #     --bitwise-reruns --check-tokens 0 | tail -3
 #   (one call, ~7 min: the tests ~1.5, 32 runs ~5, the bitwise run ~0.7). Predicted: det backward
-#   ~41.3 -> ~36.8 ms; xp says whether same-row contention is part of the fast form's 2.1 ms of dkp REDs.
+#   ~41.3 -> ~37.3 ms (the probes: 35.2 without dkp REDs + ~2.1 for fp32 ones); xp says whether same-row contention is part of the fast form's 2.1 ms of dkp REDs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-record}
