@@ -11,7 +11,10 @@ round (all steps cost the same). L2: LRU over those rows with `l2_mb` of capacit
 row from DRAM (reduce-adds too: L2 fetches the line before adding), an evicted dQ / dqp row is
 written back. Selection: each token's own block plus top_k - 1 distinct earlier blocks drawn
 uniformly per group (what the benchmark's N(0,1) inputs give: the selector's picks are spread over
-the causal blocks). K, V, Kp (once per CTA) and the dkp adds (L2-resident) are left out.
+the causal blocks). K, V, Kp (once per CTA) and the dkp adds (L2-resident) are left out of the
+traffic; for the dkp adds the model counts, at each proxy step, the running CTAs (itself included)
+whose dkp rows are the step's (same key block and proxy key head, --proxy-key-heads): how many CTAs
+at once add into the same rows.
 
 Orders (--orders): block  = g major, p fastest (blockIdx = g * Hp + p: the kernel's);
                    group  = p major (blockIdx = p * NB + g): the resident CTAs touch one group's rows,
@@ -20,7 +23,8 @@ Orders (--orders): block  = g major, p fastest (blockIdx = g * Hp + p: the kerne
                    pairs  = two groups at a time, block-major inside;
                    hybrid = the first sms / Hp blocks (the longest lists) block-major, then group-major;
                    geo    = windows of doubling width ([0, 1), [1, 2), [2, 4), ...), group by group;
-                   kvhead = one kv head's G = Hp / Hkv groups after the other's, block-major inside;
+                   kvhead = one kv head's G = Hp / Hkv groups after the other's, block-major inside
+                            (--groups-per-kv);
                    window = windows of --window blocks (default sms), group by group in each.
 A CTA whose list ends leaves its SM idle for one round (a per-CTA cost of one step).
 Walks (--walks):   desc (the kernel's sparse walk: from the list's end), asc, zigzag (even waves of
@@ -49,7 +53,7 @@ def make_lists(T, blk, top_k, Hp, seed):
     return lists, NB
 
 
-def simulate(lists, NB, Hp, order, walk, sms, l2_bytes, heads=16, groups_per_kv=1, window=0):
+def simulate(lists, NB, Hp, order, walk, sms, l2_bytes, heads=16, groups_per_kv=1, window=0, hpk=1):
     if order == "block":
         ctas = [(g, p) for g in range(NB) for p in range(Hp)]
     elif order == "group":
@@ -76,7 +80,8 @@ def simulate(lists, NB, Hp, order, walk, sms, l2_bytes, heads=16, groups_per_kv=
     q_row, dq_row, qp_row, dqp_row = 256, 512, 256, 512  # per (token, head) / (token, proxy head)
     lru = OrderedDict()  # key -> (bytes, dirty)
     used = 0
-    st = {"read_hit": 0, "read_miss": 0, "red_hit": 0, "red_miss": 0, "dram_read": 0, "dram_write": 0, "steps": 0}
+    st = {"read_hit": 0, "read_miss": 0, "red_hit": 0, "red_miss": 0, "dram_read": 0, "dram_write": 0, "steps": 0,
+          "dkp_sharers": 0, "proxy_steps": 0}
 
     def touch(key, size, red):
         nonlocal used
@@ -123,10 +128,10 @@ def simulate(lists, NB, Hp, order, walk, sms, l2_bytes, heads=16, groups_per_kv=
                 g, p = ctas[nxt]
                 nxt += 1
                 if lists[p][g]:
-                    running[sm] = (p, steps_of(g, p, nxt - 1))
+                    running[sm] = (p, steps_of(g, p, nxt - 1), g)
             if running[sm] is None:
                 continue
-            p, it = running[sm]
+            p, it, _ = running[sm]
             step = next(it, None)
             if step is None:
                 running[sm] = None
@@ -144,6 +149,11 @@ def simulate(lists, NB, Hp, order, walk, sms, l2_bytes, heads=16, groups_per_kv=
                 for t in toks:
                     touch(("qp", p, t), qp_row, False)
                     touch(("dqp", p, t), dqp_row, True)
+                # CTAs running now whose dkp rows are this one's (same key block, same proxy key head)
+                g_here = running[sm][2]
+                st["dkp_sharers"] += sum(1 for r in running if r is not None and r[2] == g_here
+                                         and r[0] // (Hp // hpk) == p // (Hp // hpk))
+                st["proxy_steps"] += 1
         rounds += 1
         if not active and nxt >= len(ctas):
             break
@@ -167,18 +177,20 @@ def main():
     ap.add_argument("--walks", default="desc,asc")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--window", type=int, default=0, help="blocks per window of the window order (0: sms)")
+    ap.add_argument("--proxy-key-heads", type=int, default=1, help="Hpk (the dkp rows' heads)")
     args = ap.parse_args()
     lists, NB = make_lists(args.seqlen, 128, args.top_k, args.proxy_heads, args.seed)
     for order in args.orders.split(","):
         label = "window %d" % (args.window or args.sms) if order == "window" else order
         for walk in args.walks.split(","):
             s = simulate(lists, NB, args.proxy_heads, order, walk, args.sms, int(args.l2_mb * 2**20),
-                         args.heads_per_group, args.groups_per_kv, args.window)
+                         args.heads_per_group, args.groups_per_kv, args.window, args.proxy_key_heads)
             rh = s["read_hit"] / max(1, s["read_hit"] + s["read_miss"])
             dh = s["red_hit"] / max(1, s["red_hit"] + s["red_miss"])
             print("order %-10s walk %-6s: read hit %5.1f%%, reduce hit %5.1f%%, DRAM read %6.1f GB, write %6.1f GB,"
-                  " makespan %.3f x balanced" % (label, walk, 100 * rh, 100 * dh, s["dram_read"] / 1e9,
-                                                 s["dram_write"] / 1e9, s["rounds"] * args.sms / s["steps"]),
+                  " makespan %.3f x balanced, CTAs on a proxy step's dkp rows %.2f" % (
+                      label, walk, 100 * rh, 100 * dh, s["dram_read"] / 1e9, s["dram_write"] / 1e9,
+                      s["rounds"] * args.sms / s["steps"], s["dkp_sharers"] / max(1, s["proxy_steps"])),
                   flush=True)
 
 
