@@ -18,7 +18,9 @@
 # +12.5 ms over fast at m3/64k (timing probes, bench/results/h200_det_probes_ab40.log,
 # h200_dkp_red_probes_ab41.log): 5.7 the forward's first pass, 6.6 the backward's int64 dkp REDs
 # (the fast form's fp32 ones: 2.1). docs/prepared/det-dkp-partials.patch (compiled, not run):
-#   (the thirty-ninth session made the branch, bc0e524 on 3de5eac; where it is gone:)
+#   (the thirty-ninth session made the branch, bc0e524 on 3de5eac, built ab42/ from it and main, and
+#   scratch-gpu/ as the bundle of bc0e524 for the record if the A/B holds (its COMMIT file says which
+#   commit a bundle is); where they are gone:)
 #     git checkout -b exp/det-dkp-partials && git apply docs/prepared/det-dkp-partials.patch &&
 #       git commit -qam "deterministic dkp as fp32 partials per proxy head (docs/prepared/det-dkp-partials.patch)"
 #     git checkout main && bash scripts/build_variants.sh ab42 main=main x=exp/det-dkp-partials:tests
