@@ -29,7 +29,12 @@
 #     CONFIGS="det64k:--seqlen 65536 --deterministic;m3_64k:--seqlen 65536;m3_32k:--seqlen 32768;fm16k:--seqlen 16384 --heads 16 --kv-heads 2" \
 #     OUT=$OUT bash scripts/gpu_next.sh ab; ab42/run_x --device cuda --seqlen 65536 --deterministic --iters 5 \
 #     --bitwise-reruns --check-tokens 0 | tail -3
-#   (one call, ~7 min: the tests ~1.5, 32 runs ~5, the bitwise run ~0.7). Predicted: det backward
+#   (one call, ~7 min: the tests ~1.5, 32 runs ~5, the bitwise run ~0.7). With the prebuilt bundle the
+#   first call can be the record's GPU suite instead of tests_x's subset (~8 min), carry ["ab42", "scratch-gpu"]:
+#     STAGES=tests OUT=$OUT bash scripts/gpu_check.sh; AB_DIR=ab42 TEST_FILTER=None.None VARIANTS=... \
+#       CONFIGS=... OUT=$OUT bash scripts/gpu_next.sh ab; ab42/run_x ... --bitwise-reruns ... | tail -3
+#   and, if x holds, the rest of the record on the same bundle: BENCH_TIMEOUT=220 STAGES="sanitizer python
+#   main racecheck_wgmma bench", then STAGES="racecheck scale" (carry ["scratch-gpu"]). Predicted: det backward
 #   ~41.3 -> ~37.3 ms (the probes: 35.2 without dkp REDs + ~2.1 for fp32 ones); xp says whether same-row contention is part of the fast form's 2.1 ms of dkp REDs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
