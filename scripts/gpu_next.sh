@@ -14,28 +14,34 @@
 #                                     e.g. with
 #     bash scripts/build_variants.sh ab21 main=main x=exp/some-branch:tests
 #     and carry ["ab21"]: AB_DIR=ab21 TEST_FILTER='CudaBackward.*:CudaGraph.*' bash scripts/gpu_next.sh ab
-# Prepared (thirty-eighth session): the deterministic dkp as per-proxy-head fp32 partials. The step's
-# +12.5 ms over fast at m3/64k (timing probes, bench/results/h200_det_probes_ab40.log,
-# h200_dkp_red_probes_ab41.log): 5.7 the forward's first pass, 6.6 the backward's int64 dkp REDs
-# (the fast form's fp32 ones: 2.1). docs/prepared/det-dkp-partials.patch (compiled, not run):
-#   (the thirty-ninth session made the branch, bc0e524 on 3de5eac, built ab42/ from it and main, and
-#   scratch-gpu/ as the bundle of bc0e524 for the record if the A/B holds (its COMMIT file says which
-#   commit a bundle is); where they are gone:)
-#     git checkout -b exp/det-dkp-partials && git apply docs/prepared/det-dkp-partials.patch &&
-#       git commit -qam "deterministic dkp as fp32 partials per proxy head (docs/prepared/det-dkp-partials.patch)"
-#     git checkout main && bash scripts/build_variants.sh ab42 main=main x=exp/det-dkp-partials:tests
-#   carry ["ab42"]: AB_DIR=ab42 TEST_FILTER='CudaBackward.*:CudaGraph.*:CudaWorkspace.*:CudaWarmup*' \
-#     VARIANTS="main=ab42/run_main;x=ab42/run_x;xi=ab42/run_x,FLASHMSA_DET_DKP=int64;xp=ab42/run_x,FLASHMSA_DKP_PARTIALS=1" \
-#     CONFIGS="det64k:--seqlen 65536 --deterministic;m3_64k:--seqlen 65536;m3_32k:--seqlen 32768;fm16k:--seqlen 16384 --heads 16 --kv-heads 2" \
-#     OUT=$OUT bash scripts/gpu_next.sh ab; ab42/run_x --device cuda --seqlen 65536 --deterministic --iters 5 \
+# Prepared (thirty-eighth / thirty-ninth sessions). The deterministic step's +12.5 ms over fast at
+# m3/64k (timing probes, bench/results/h200_det_probes_ab40.log, h200_dkp_red_probes_ab41.log): 5.7 the
+# forward's first pass, 6.6 the backward's int64 dkp REDs (the fast form's fp32 ones: 2.1).
+#   x = exp/det-dkp-partials (bc0e524 = docs/prepared/det-dkp-partials.patch on 3de5eac): deterministic
+#       dkp as per-proxy-head fp32 partials; FLASHMSA_DKP_PARTIALS=1 (xp) takes them in fast mode too
+#       (whether same-row contention is part of the fast form's dkp cost: at fm16k a key block's four
+#       proxy-head CTAs run together).
+#   y = exp/dkp-both-halves (079710d on x = docs/prepared/dkp-both-halves.patch): both dkp halves'
+#       products in flight at a proxy step (one exposed product instead of two; fm16k ~-1%).
+# Built on this machine: ab42/ (run_main from 4ec3107 = main's device code, run_x, tests_x, run_y,
+# tests_y) and scratch-gpu/ (the bundle of bc0e524, COMMIT says so); where they are gone:
+#     git checkout -b exp/det-dkp-partials 3de5eac && git apply docs/prepared/det-dkp-partials.patch && git commit -qam x
+#     git checkout -b exp/dkp-both-halves && git apply docs/prepared/dkp-both-halves.patch && git commit -qam y
+#     bash scripts/build_variants.sh ab42 main=main x=exp/det-dkp-partials:tests y=exp/dkp-both-halves:tests
+#     git checkout exp/det-dkp-partials && bash scripts/build_gpu_bundle.sh && git checkout main
+# First call (~7.5 min; carry ["ab42", "scratch-gpu"]): the record's GPU suite on x's bundle, y's
+# backward tests, the A/B, the bitwise check of x at 64k:
+#     STAGES=tests OUT=$OUT/rec bash scripts/gpu_check.sh; AB_DIR=ab42 TEST_VARIANTS=y \
+#     TEST_FILTER='CudaBackward.*:CudaGraph.*' VARIANTS="main=ab42/run_main;x=ab42/run_x;xp=ab42/run_x,FLASHMSA_DKP_PARTIALS=1;y=ab42/run_y" \
+#     CONFIGS="m3_64k:--seqlen 65536;fm16k:--seqlen 16384 --heads 16 --kv-heads 2" OUT=$OUT/ab1 bash scripts/gpu_next.sh ab; \
+#     VARIANTS="main=ab42/run_main;x=ab42/run_x" CONFIGS="det64k:--seqlen 65536 --deterministic;m3_32k:--seqlen 32768" \
+#     OUT=$OUT/ab2 bash scripts/gpu_ab.sh; ab42/run_x --device cuda --seqlen 65536 --deterministic --iters 5 \
 #     --bitwise-reruns --check-tokens 0 | tail -3
-#   (one call, ~7 min: the tests ~1.5, 32 runs ~5, the bitwise run ~0.7). With the prebuilt bundle the
-#   first call can be the record's GPU suite instead of tests_x's subset (~8 min), carry ["ab42", "scratch-gpu"]:
-#     STAGES=tests OUT=$OUT bash scripts/gpu_check.sh; AB_DIR=ab42 TEST_FILTER=None.None VARIANTS=... \
-#       CONFIGS=... OUT=$OUT bash scripts/gpu_next.sh ab; ab42/run_x ... --bitwise-reruns ... | tail -3
-#   and, if x holds, the rest of the record on the same bundle: BENCH_TIMEOUT=220 STAGES="sanitizer python
-#   main racecheck_wgmma bench", then STAGES="racecheck scale" (carry ["scratch-gpu"]). Predicted: det backward
-#   ~41.3 -> ~37.3 ms (the probes: 35.2 without dkp REDs + ~2.1 for fp32 ones); xp says whether same-row contention is part of the fast form's 2.1 ms of dkp REDs.
+# If x holds (y on top if it gains), the rest of the record on the bundle (carry ["scratch-gpu"]):
+#     BENCH_TIMEOUT=220 STAGES="sanitizer python main racecheck_wgmma bench", then STAGES="racecheck scale".
+# Predicted: det backward ~41.3 -> ~37.3 ms (the probes: 35.2 without dkp REDs + ~2.1 for fp32 ones), det
+# step ~+16.5% over fast; xp at fm16k at most -0.25 ms (probe fk), nothing at m3 (its chunked grid keeps a
+# block's groups apart); y within noise at m3, ~-1% at fm16k.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-record}
@@ -51,7 +57,8 @@ for b in "$D"/run_*; do
   case $b in *.xz) continue ;; esac
   name=${b##*/run_}
   variants+="${variants:+;}$name=$b"
-  if [ "$name" != main ] && [ -x "$D/tests_$name" ]; then
+  # TEST_VARIANTS: the names whose tests_<name> run (default: every variant that has one).
+  if [ "$name" != main ] && [ -x "$D/tests_$name" ] && [[ " ${TEST_VARIANTS:-$name} " == *" $name "* ]]; then
     timeout 240 "$D/tests_$name" --gtest_brief=1 --gtest_filter="${TEST_FILTER:-CudaForward.*:CudaBackward.*}" \
       > "$OUT/tests_$name.log" 2>&1
     echo "$name tests: exit $?"; grep -E "FAILED|PASSED" "$OUT/tests_$name.log" | tail -n 8
