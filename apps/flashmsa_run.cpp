@@ -399,6 +399,8 @@ int main(int argc, char** argv) {
   const DType dtype = c.dtype == "bf16" ? DType::bf16 : c.dtype == "fp16" ? DType::fp16
                       : c.dtype == "fp32" ? DType::fp32 : (die("--dtype must be bf16, fp16 or fp32"), DType::bf16);
   if (c.mode != "sparse" && c.mode != "warmup") die("--mode must be sparse or warmup");
+  if (c.bitwise_reruns && !c.deterministic)
+    die("--bitwise-reruns needs --deterministic (the fast mode's fp32 atomics add in no fixed order)");
   if (c.seqlens.empty()) c.seqlens.assign(std::max(c.batch, 0), c.seqlen);
 
   std::vector<int32_t> cu{0};
