@@ -14,33 +14,40 @@
 #                                     e.g. with
 #     bash scripts/build_variants.sh ab21 main=main x=exp/some-branch:tests
 #     and carry ["ab21"]: AB_DIR=ab21 TEST_FILTER='CudaBackward.*:CudaGraph.*' bash scripts/gpu_next.sh ab
-# Prepared (thirty-eighth / thirty-ninth sessions). The deterministic step's +12.5 ms over fast at
+# Prepared (thirty-eighth to forty-first sessions). The deterministic step's +12.5 ms over fast at
 # m3/64k (timing probes, bench/results/h200_det_probes_ab40.log, h200_dkp_red_probes_ab41.log): 5.7 the
 # forward's first pass, 6.6 the backward's int64 dkp REDs (the fast form's fp32 ones: 2.1).
-#   x = exp/det-dkp-partials (bc0e524 = docs/prepared/det-dkp-partials.patch on 3de5eac): deterministic
-#       dkp as per-proxy-head fp32 partials; FLASHMSA_DKP_PARTIALS=1 (xp) takes them in fast mode too
-#       (whether same-row contention is part of the fast form's dkp cost: at fm16k a key block's four
-#       proxy-head CTAs run together).
-#   y = exp/dkp-both-halves (079710d on x = docs/prepared/dkp-both-halves.patch): both dkp halves'
-#       products in flight at a proxy step (one exposed product instead of two; fm16k ~-1%).
-# Built on this machine: ab42/ (run_main from 4ec3107 = main's device code, run_x, tests_x, run_y,
-# tests_y) and scratch-gpu/ (the bundle of bc0e524, COMMIT says so); where they are gone:
-#     git checkout -b exp/det-dkp-partials 3de5eac && git apply docs/prepared/det-dkp-partials.patch && git commit -qam x
+#   main (e453b04 on): FLASHMSA_INDEX_SORT=counting (mc) builds the inverted selection index by a
+#       counting sort instead of cub's radix sort (opt-in, never run yet; SelectionIndex.* tests both).
+#   x = docs/prepared/det-dkp-partials.patch on main: deterministic dkp as per-proxy-head fp32
+#       partials; FLASHMSA_DKP_PARTIALS=1 (xp) takes them in fast mode too (whether same-row
+#       contention is part of the fast form's dkp cost: at fm16k a key block's four proxy-head CTAs
+#       run together).
+#   y = docs/prepared/dkp-both-halves.patch on x: both dkp halves' products in flight at a proxy step
+#       (one exposed product instead of two; fm16k ~-1%).
+# Build on this machine (branches do not survive a new checkout; binaries git-ignored):
+#     git checkout -b exp/det-dkp-partials main && git apply docs/prepared/det-dkp-partials.patch && git commit -qam x
 #     git checkout -b exp/dkp-both-halves && git apply docs/prepared/dkp-both-halves.patch && git commit -qam y
-#     bash scripts/build_variants.sh ab42 main=main x=exp/det-dkp-partials:tests y=exp/dkp-both-halves:tests
-#     git checkout exp/det-dkp-partials && bash scripts/build_gpu_bundle.sh && git checkout main
-# First call (~7.5 min; carry ["ab42", "scratch-gpu"]): the record's GPU suite on x's bundle, y's
-# backward tests, the A/B, the bitwise check of x at 64k:
-#     STAGES=tests OUT=$OUT/rec bash scripts/gpu_check.sh; AB_DIR=ab42 TEST_VARIANTS=y \
-#     TEST_FILTER='CudaBackward.*:CudaGraph.*' VARIANTS="main=ab42/run_main;x=ab42/run_x;xp=ab42/run_x,FLASHMSA_DKP_PARTIALS=1;y=ab42/run_y" \
+#     git checkout main && bash scripts/build_variants.sh ab43 x=exp/det-dkp-partials:tests y=exp/dkp-both-halves:tests
+#     bash scripts/build_gpu_bundle.sh    (main's bundle: scratch-gpu/; its flashmsa_run is the A/B's main)
+# First call (~8 min; carry ["ab43", "scratch-gpu"]): main's GPU suite (SelectionIndex.* included), its
+# forward / backward / graph tests again with the counting sort, y's backward tests, the A/B, x's
+# bitwise check at 64k:
+#     STAGES=tests OUT=$OUT/rec bash scripts/gpu_check.sh; FLASHMSA_INDEX_SORT=counting timeout 200 \
+#     scratch-gpu/flashmsa_gpu_tests --gtest_brief=1 --gtest_filter='CudaForward.*Wgmma*:CudaBackward.*:CudaGraph.*' \
+#     > $OUT/tests_mc.log 2>&1; tail -3 $OUT/tests_mc.log; AB_DIR=ab43 TEST_VARIANTS=y \
+#     TEST_FILTER='CudaBackward.*:CudaGraph.*' VARIANTS="main=scratch-gpu/flashmsa_run;mc=scratch-gpu/flashmsa_run,FLASHMSA_INDEX_SORT=counting;x=ab43/run_x;xp=ab43/run_x,FLASHMSA_DKP_PARTIALS=1;y=ab43/run_y" \
 #     CONFIGS="m3_64k:--seqlen 65536;fm16k:--seqlen 16384 --heads 16 --kv-heads 2" OUT=$OUT/ab1 bash scripts/gpu_next.sh ab; \
-#     VARIANTS="main=ab42/run_main;x=ab42/run_x" CONFIGS="det64k:--seqlen 65536 --deterministic;m3_32k:--seqlen 32768" \
-#     OUT=$OUT/ab2 bash scripts/gpu_ab.sh; ab42/run_x --device cuda --seqlen 65536 --deterministic --iters 5 \
+#     VARIANTS="main=scratch-gpu/flashmsa_run;x=ab43/run_x" CONFIGS="det64k:--seqlen 65536 --deterministic" \
+#     OUT=$OUT/ab2 bash scripts/gpu_ab.sh; ab43/run_x --device cuda --seqlen 65536 --deterministic --iters 5 \
 #     --bitwise-reruns --check-tokens 0 | tail -3
-# If x holds (y on top if it gains), the rest of the record on the bundle (carry ["scratch-gpu"]):
-#     BENCH_TIMEOUT=220 STAGES="sanitizer python main racecheck_wgmma bench", then STAGES="racecheck scale".
-# Predicted: det backward ~41.3 -> ~37.3 ms (the probes: 35.2 without dkp REDs + ~2.1 for fp32 ones), det
-# step ~+16.5% over fast; xp at fm16k at most -0.25 ms (probe fk), nothing at m3 (its chunked grid keeps a
+# (gpu_check.sh unpacks scratch-gpu/*.xz first; run the A/B after it.) Then land what holds (the
+# counting sort as the default if mc gains and its tests pass; x if the det step gains; y on top if it
+# gains), rebuild the bundle, and record on it (carry ["scratch-gpu"]):
+#     BENCH_TIMEOUT=220 STAGES="tests sanitizer python main racecheck_wgmma bench", then STAGES="racecheck scale".
+# Predicted: mc forward and backward each ~-0.13 ms at m3/64k (index ~177 -> ~45 us; 0.25% of the step);
+# det backward ~41.3 -> ~37.3 ms (the probes: 35.2 without dkp REDs + ~2.1 for fp32 ones), det step
+# ~+16.5% over fast; xp at fm16k at most -0.25 ms (probe fk), nothing at m3 (its chunked grid keeps a
 # block's groups apart); y within noise at m3, ~-1% at fm16k.
 set -uo pipefail
 cd "$(dirname "$0")/.."
