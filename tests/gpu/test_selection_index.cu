@@ -156,6 +156,9 @@ TEST(SelectionIndex, ManySequences) {
 
 TEST(SelectionIndex, EveryVisibleBlock) { check_index({offsets({2048, 300}), 2, 16, true}, 16); }
 
+// K > 32: a token's entries span two rounds of 32.
+TEST(SelectionIndex, EveryVisibleBlockKAbove32) { check_index({offsets({5200}), 1, 40, true}, 18); }
+
 // One-token sequences with K = 1: a block per token, the cells (one per block and tile) would
 // outnumber the entries, so only the radix sort applies.
 TEST(SelectionIndex, RadixWhereCellsDoNotFit) { check_index({offsets(std::vector<int32_t>(200, 1)), 2, 1, false, false}, 17); }
