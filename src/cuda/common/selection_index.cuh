@@ -371,7 +371,7 @@ inline void build_counting_sorted(const MsaParams& p, const SelectionIndexPlan& 
   const int32_t* blk_off = ws.at<int32_t>(s.o_blk_off);
   int32_t* vals = ws.at<int32_t>(s.o_vals_out);
   counting_pass_kernel<false><<<grid, 32 * s.warps_per_cta, smem, stream>>>(p.block_idx, p.cu_seqlens, blk_off, p.B,
-                                                                           p.T, p.top_k, ct, counts, vals);
+                                                                           p.T, p.top_k, ct, counts, nullptr);
   FLASHMSA_CHECK_LAUNCH();
   size_t scan_bytes = s.scan_bytes;
   FLASHMSA_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(s.scratch_at<void>(ws, s.o_vals_in), scan_bytes,
