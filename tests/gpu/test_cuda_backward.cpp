@@ -388,9 +388,10 @@ TEST(CudaBackward, DeterministicDqEnvErrors) {
 }
 
 // Deterministic mode on the wgmma kernel's shapes (Hkv = Hp, D = 128, K <= 32) runs its DET form
-// (dkp in int64 fixed point; groups of 8 / 16 heads: token rows with dq and dqp staged as int32
-// unless FLASHMSA_DET_DQ=query, else dqp in int64 and no dQ beside the query-major dq): it must agree with the fast
-// mode (fp32 atomics) and with the CPU, and give the same bits, all five gradients and kl, every run.
+// (dkp as fp32 partials per proxy head; groups of 8 / 16 heads: token rows with dq and dqp staged as
+// int32 unless FLASHMSA_DET_DQ=query, else dqp in int64 and no dQ beside the query-major dq): it must
+// agree with the fast mode (fp32 atomics) and with the CPU, and give the same bits, all five gradients
+// and kl, every run.
 void check_deterministic_wgmma(const Shape& s, uint64_t seed, float kl_grad) {
   Setup st;
   make_setup(st, s, seed, true, kl_grad);
@@ -420,6 +421,45 @@ TEST(CudaBackward, DeterministicWgmmaGroupOf16K16) {
   // m = 16 heads per kv head = proxy group, D = 128, K = 16: the wgmma kernel's DET form. Two
   // sequences with partial last blocks, two groups sharing one proxy key head (dkp from both), g != 1.
   check_deterministic_wgmma(shape(32, 2, 2, 1, 128, 16, {2200, 333}), 27, 0.6f);
+}
+
+// The deterministic dkp's two forms: per-proxy-head fp32 partials (the default without token
+// chunks, Hp <= 4 Hpk: one CTA adds each row of a partial, in a fixed order; FLASHMSA_DET_DKP=partials
+// makes any other route an error) and the int64 fixed point into the shared accumulator
+// (FLASHMSA_DET_DKP=int64), each against the CPU and the fast form and bitwise over reruns, in the
+// token-row form (m = 16), the per-head form (FLASHMSA_DET_DQ=query) and the SHARED_KV form (G = 2,
+// four proxy heads on one key head).
+TEST(CudaBackward, DeterministicDkpForms) {
+  GPUTEST_REQUIRE_DEVICE();
+  gputest::ScopedEnv no_chunk("FLASHMSA_BWD_CHUNK", nullptr), no_chunks("FLASHMSA_BWD_CHUNKS", nullptr);
+  for (const char* form : {"partials", "int64"}) {
+    gputest::ScopedEnv env("FLASHMSA_DET_DKP", form);
+    std::printf("  FLASHMSA_DET_DKP=%s\n", form);
+    check_deterministic_wgmma(shape(32, 2, 2, 1, 128, 16, {1900, 333}), 28, 0.7f);
+    {
+      gputest::ScopedEnv dq("FLASHMSA_DET_DQ", "query");
+      check_deterministic_wgmma(shape(32, 2, 2, 1, 128, 8, {900, 200}), 29, 1.f);
+    }
+    check_deterministic_wgmma(shape(16, 2, 4, 1, 128, 16, {1500, 0, 260}), 30, 0.6f);
+  }
+}
+
+// FLASHMSA_DET_DKP=partials is an error where the partials do not apply: token chunks, and more than
+// four proxy heads per proxy key head (m = 2, Hp = 8, Hpk = 1).
+void expect_det_dkp_env_error(const Shape& s, const char* chunk) {
+  Setup st;
+  make_setup(st, s, 25, true, 1.f);
+  DeviceSide d;
+  upload(d, st);
+  gputest::ScopedEnv form("FLASHMSA_DET_DKP", "partials");
+  gputest::ScopedEnv chunk_env("FLASHMSA_BWD_CHUNK", chunk);
+  EXPECT_THROW(run_gpu(d, st, true), flashmsa::Error) << "FLASHMSA_BWD_CHUNK=" << (chunk ? chunk : "(unset)");
+}
+
+TEST(CudaBackward, DeterministicDkpEnvErrors) {
+  GPUTEST_REQUIRE_DEVICE();
+  expect_det_dkp_env_error(shape(16, 1, 1, 1, 128, 8, {1300}), "256");
+  expect_det_dkp_env_error(shape(16, 8, 8, 1, 128, 8, {700}), nullptr);
 }
 
 // ---- kv heads shared by G = Hp/Hkv > 1 proxy groups (the wgmma kernel's SHARED_KV form) ----
@@ -714,6 +754,13 @@ void check_token_chunks(const Shape& s, uint64_t seed) {
   for (const char* chunk : {"96", "640", "2048"}) {
     gputest::ScopedEnv env("FLASHMSA_BWD_CHUNK", chunk);
     compare(run_gpu(d, st, false), cpu, std::string("fast, chunk ") + chunk);
+  }
+  {
+    gputest::ScopedEnv partials("FLASHMSA_DKP_PARTIALS", "1");  // fast mode's per-proxy-head dkp partials
+    for (const char* chunk : {"0", "640"}) {
+      gputest::ScopedEnv env("FLASHMSA_BWD_CHUNK", chunk);
+      compare(run_gpu(d, st, false), cpu, std::string("fast, dkp partials, chunk ") + chunk);
+    }
   }
   gputest::ScopedEnv dq_env("FLASHMSA_DET_DQ", "kv");  // an error unless the int32 dq form runs
   for (const char* chunk : {"96", "2048"}) {

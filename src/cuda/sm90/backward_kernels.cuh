@@ -375,7 +375,7 @@ struct FoldArgs {
   const float* lse_s = nullptr;    // [Hp, T] the student's lse over its selected keys
   const float* kl_grad = nullptr;  // [1] or null (g = 1)
   void* dqp_acc = nullptr;         // [T, Hp, D] fp32 or int64
-  void* dkp_acc = nullptr;         // [T, Hpk, D] fp32 or int64 (always an accumulator here)
+  void* dkp_acc = nullptr;         // [T, Hpk, D] fp32 or int64, or [T, Hp, D] fp32 (dkp_per_head)
   float* kl_part = nullptr;        // [Hp, NB] sum of KL terms of each (p, block)
   int Hpk = 1;
   float scale_p = 1.f;
@@ -394,6 +394,9 @@ struct FoldArgs {
   // (n_chunks + 1) + c] .. [.. + c + 1] of its block's list; dk / dv go into dk_acc / dv_acc.
   int n_chunks = 0;
   const int32_t* chunk_bounds = nullptr;  // [Hp, NB, n_chunks + 1]
+  // The wgmma kernel (fused_backward.cu: its DET forms without token chunks; fast mode on request):
+  // dkp_acc is [T, Hp, D] fp32, one partial per proxy head, instead of the shared [T, Hpk, D].
+  bool dkp_per_head = false;
 };
 
 // DQ = false: no dq here (the deterministic mode's query-major dq, backward_dq.cu). A template

@@ -35,8 +35,9 @@
 // DET (deterministic mode with top_k <= 32), per-head tiles: no dQ at all (the query-major
 // dq_kernel computes it without atomics), so a head step neither writes the dS tile nor joins its
 // two barriers; with token rows: dQ and dqp staged as int32 fixed point (see below the kernel's
-// template comment). dqp (per-head form) and dkp go out as int64 fixed-point atomics (integer
-// adds commute: the sums do not depend on the atomics' order). dK, dV (owned) and the KL share
+// template comment). dqp (per-head form) goes out as int64 fixed-point atomics (integer adds
+// commute: the sums do not depend on the atomics' order), dkp as fp32 partials with one writer per
+// row (FoldArgs::dkp_per_head; int64 fixed point with token chunks). dK, dV (owned) and the KL share
 // have a fixed order already; SHARED_KV's dK, dV go out as fixed point too (factors fx[1], fx[2]).
 //
 // Operand orientation (every tile bf16, 128-byte swizzle; key tiles are 64-column slabs of R rows x
@@ -284,9 +285,10 @@ __device__ __forceinline__ void ss_tokens_by_keys(float (&acc)[32], uint32_t ds_
 // condition) and compiles to the same PTX as before the KL_ONLY loop existed (helpers factored
 // out of that loop did not: inlining renumbered its registers).
 // DET = true (deterministic mode, top_k <= 32), per-head tiles (RM = 0): the full backward without
-// dQ (dq_acc is not read; the query-major dq_kernel writes dq), dqp / dkp as int64 fixed point with
-// the factors fx[3], fx[4]. Its head step retires dV / dK, releases the stage and issues the next
-// step's S^T at the same single call site as the full kernel, with nothing to wait for behind it.
+// dQ (dq_acc is not read; the query-major dq_kernel writes dq), dqp as int64 fixed point (factor
+// fx[3]), dkp as fp32 partials (fa.dkp_per_head) or int64 (fx[4]). Its head step retires dV / dK,
+// releases the stage and issues the next step's S^T at the same single call site as the full
+// kernel, with nothing to wait for behind it.
 // DET with token rows (RM > 0) computes dQ and dqp as the fast form does, times int32 fixed-point
 // factors (dQ: each row's own, fa.row_fx, loaded with the stage; dqp: fx[6]), and stages them as
 // int32 in the fast form's layout (each token's RM dQ rows one bulk reduce-add, .add.s32, dqp per
@@ -307,7 +309,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     float* __restrict__ dq_acc,    // [T, H, 128] fp32; DET: int32 (same layout) with RM > 0, else unused
     bf16* __restrict__ dk,         // [T, Hkv, 128] (owned: this CTA is the only writer of its rows)
     bf16* __restrict__ dv,         // [T, Hkv, 128]
-    FoldArgs fa,                   // with DET, dkp_acc (and dqp_acc unless RM > 0: int32) is int64
+    FoldArgs fa,                   // with DET, dqp_acc is int64 (RM > 0: int32), dkp_acc int64 or fp32 partials
     const float* __restrict__ fx,  // [7] fixed-point factors (fixed_point_kernel), read only with DET
     void* __restrict__ dk_acc,     // [T, Hkv, 128] fp32 (int64 with DET), SHARED_KV only (else unused)
     void* __restrict__ dv_acc,     // [T, Hkv, 128] fp32 (int64 with DET), SHARED_KV only
@@ -832,10 +834,18 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) acc_to_a_frag(da[kk], s1 + 8 * kk);
 
-      // dkp share of this tile, rows = this WG's keys, in two 64-column halves (32 registers each).
+      // dkp share of this tile, rows = this WG's keys, in two 64-column halves (32 registers each):
+      // fp32 REDs into the shared [T, Hpk, D] accumulator (fast form), or into partial p of [T, Hp, D]
+      // (fa.dkp_per_head). DET with the partials: rows (key, p) get adds from this CTA only (one CTA per
+      // (p, key block) without token chunks), each element always from the same lane, and one thread's
+      // REDs to one address apply in program order (PTX memory model: program order is part of
+      // causality order, which coherence order follows; a vector RED is one RED per element), so the
+      // sums do not depend on timing; the Hp / Hpk partials of a key head are summed in a fixed order
+      // at the end (sum_partials_kernel). DET otherwise: int64 fixed point into [T, Hpk, D].
       const int key_lo = bc.key0 + kr;
-      const int64_t kat_lo = ((bc.seq_start + key_lo) * fa.Hpk + pk) * D + 2 * c4;
-      const int64_t kat_hi = kat_lo + static_cast<int64_t>(8) * fa.Hpk * D;
+      const int dkp_rows = fa.dkp_per_head ? Hp : fa.Hpk, dkp_row = fa.dkp_per_head ? p : pk;
+      const int64_t kat_lo = ((bc.seq_start + key_lo) * dkp_rows + dkp_row) * D + 2 * c4;
+      const int64_t kat_hi = kat_lo + static_cast<int64_t>(8) * dkp_rows * D;
       const float fx_kp = DET ? __ldg(fx + 4) : 0.f;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -850,7 +860,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_operands(acc);
-        if constexpr (DET) {
+        if (DET && !fa.dkp_per_head) {
 #pragma unroll
           for (int j = 0; j < 8; ++j)
             wb_fx_tile(fa.dkp_acc, kat_lo + 64 * half + 8 * j, kat_hi + 64 * half + 8 * j, key_lo < bc.seq_len,

@@ -223,6 +223,27 @@ __global__ void convert_acc_kernel(const void* __restrict__ acc,  // [n] fp32, o
   }
 }
 
+// out [rows, D] (bf16) = the sum over j = 0 .. R - 1, in that order, of acc [rows, R, D] (fp32): the
+// deterministic form's per-proxy-head dkp partials (FoldArgs::dkp_per_head), R = Hp / Hpk.
+__global__ void sum_partials_kernel(const float* __restrict__ acc, int64_t n, int D, int R,
+                                    bf16* __restrict__ out) {  // n = rows * D
+  for (int64_t gi = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; gi < (n >> 3);
+       gi += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = gi << 3, row = i / D, col = i % D;
+    float x[8] = {};
+    for (int j = 0; j < R; ++j) {
+      const float4* a = reinterpret_cast<const float4*>(acc + (row * R + j) * D + col);
+      const float4 lo = a[0], hi = a[1];
+      x[0] += lo.x, x[1] += lo.y, x[2] += lo.z, x[3] += lo.w, x[4] += hi.x, x[5] += hi.y, x[6] += hi.z, x[7] += hi.w;
+    }
+    uint4 packed;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(x[2 * j], x[2 * j + 1]);
+    *reinterpret_cast<uint4*>(out + i) = packed;
+  }
+}
+
 // ---- host side --------------------------------------------------------------------------------
 
 template <typename Kernel>
@@ -412,7 +433,9 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
                  const float* lse_s, void* dq_acc, void* dqp_acc,
                  void* dk_acc, void* dv_acc, void* dkp_acc, const float* fx, const float* row_fx,
                  float* kl_part, bool main_owned, bool kl_owned, int nseg, bool fold, int token_rows,
-                 int n_chunks, const int32_t* chunk_bounds) {
+                 int n_chunks, const int32_t* chunk_bounds, bool dkp_per_head) {
+  if (dkp_per_head && !fold)
+    throw Error("flashmsa: fused_backward: internal error: per-head dkp partials planned without the folded kernel");
   const auto* q = static_cast<const bf16*>(p.q);
   const auto* k = static_cast<const bf16*>(p.k);
   const auto* v = static_cast<const bf16*>(p.v);
@@ -442,13 +465,15 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
     fa.scale_p = p.proxy_scale;
     fa.c_base = c_base;
     fa.row_fx = row_fx;
+    fa.dkp_per_head = dkp_per_head;
     // The wgmma kernel (backward_wgmma.cuh) takes D = 128 (= Dv = Dp, check_supported) and
     // G = Hp/Hkv >= 1 whole proxy groups per kv head (wgmma_kv_applies). G = 1: dk/dv owned
     // (main_owned), stored as bf16. G > 1: its SHARED_KV form adds them into dk_acc / dv_acc, the
     // accumulators planned for the non-owned case (fp32, or int64 with fx), converted below.
     // Fast mode: fp32 atomics (fx == nullptr, dq_acc exists). Deterministic mode when dq is
-    // query-major (top_k <= 32, dq_acc == nullptr): its DET form has no dQ and takes dqp / dkp
-    // (and SHARED_KV's dk / dv) in int64 fixed point; or with token rows, where the DET form also
+    // query-major (top_k <= 32, dq_acc == nullptr): its DET form has no dQ and takes dqp (and
+    // SHARED_KV's dk / dv) in int64 fixed point, dkp as per-proxy-head fp32 partials
+    // (fa.dkp_per_head) or int64; or with token rows, where the DET form also
     // stages dq and dqp as int32 fixed point (laid out as the fast form's fp32); with a dq
     // accumulator otherwise (K > 32) the mma.sync kernel keeps dq.
     if constexpr (D == 128) {
@@ -494,9 +519,9 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
     }
     // The token-row accumulators (permuted fp32, or int32 with DET) exist for the wgmma kernel only;
     // wgmma_kv_applies reads FLASHMSA_BACKWARD_PATH again above, so the plan is checked, not assumed.
-    if (token_rows > 0)
-      throw Error("flashmsa: fused_backward: internal error: token-row accumulators planned for the wgmma kernel, "
-                  "which did not run");
+    if (token_rows > 0 || dkp_per_head)
+      throw Error("flashmsa: fused_backward: internal error: token-row or per-head dkp accumulators planned for the "
+                  "wgmma kernel, which did not run");
     constexpr int smem = bwd::attn_smem_bytes<D>() + bwd::fold_smem_bytes<D>();
     static_assert(smem <= 227 * 1024, "the folded backward must fit in one SM's shared memory");
     if (dq_acc) launch_attn(bwd::attn_bwd_kernel<D, true, true>, smem, fa);
@@ -657,6 +682,23 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
                            ? static_cast<int>((T + chunk_tokens - 1) / chunk_tokens)
                            : 0;
   const bool dkv_in_acc = !main_owned || n_chunks > 0;
+  // Deterministic dkp on the wgmma kernel without token chunks: one fp32 partial per proxy head
+  // ([T, Hp, Dp]; every row added by one CTA, in a fixed order: FoldArgs::dkp_per_head), summed over
+  // the R = Hp / Hpk heads of a key head at the end, instead of int64 fixed-point REDs into [T, Hpk, Dp]:
+  // 16-byte fp32 REDs instead of four 8-byte ones per lane (the int64 REDs cost 6.6 ms of the
+  // deterministic backward at m3/64k, the fast form's 2.1: timing probes, h200_dkp_red_probes_ab41.log).
+  // R <= 4 (m3: 4): the partials then take at most twice the int64 accumulator's bytes.
+  // FLASHMSA_DET_DKP=int64 keeps the fixed point, =partials makes it an error when the partials do not
+  // apply (tests; read per call). FLASHMSA_DKP_PARTIALS=1: the partials in fast mode too (A/B: the R
+  // CTAs of a key block then add to different rows).
+  const bool det_partials_apply = det && takes_wgmma && n_chunks == 0 && p.Hp <= 4 * p.Hpk;
+  if (det && env_is("FLASHMSA_DET_DKP", "partials") && !det_partials_apply)
+    throw Error("flashmsa: fused_backward: FLASHMSA_DET_DKP=partials, but the per-proxy-head dkp partials do not "
+                "apply (argument 'qp': the wgmma backward, no token chunks, Hp <= 4 Hpk)");
+  const bool dkp_per_head = det ? det_partials_apply && !env_is("FLASHMSA_DET_DKP", "int64")
+                                : takes_wgmma && env_is("FLASHMSA_DKP_PARTIALS", "1");
+  const int64_t dkp_rows = dkp_per_head ? p.Hp : p.Hpk;
+  const size_t dkp_elem = dkp_per_head ? 4 : acc_elem;
   if (backward_rows_env("1") && token_rows == 0)
     throw Error("flashmsa: fused_backward: FLASHMSA_BWD_ROWS=1, but the token-row backward does not take this "
                 "problem (argument 'q': the wgmma backward with groups of 8 or 16 heads, one group per kv head; in "
@@ -670,7 +712,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   const size_t o_kl_part = ws.add(n_kl_part * sizeof(float));
   const size_t o_chunk_bounds = n_chunks > 0 ? ws.add(nkeys * (n_chunks + 1) * sizeof(int32_t)) : 0;
   const int64_t n_dq = T * p.H * p.D, n_dqp = T * p.Hp * p.Dp;
-  const int64_t n_dk = T * p.Hkv * p.D, n_dkp = T * p.Hpk * p.Dp;
+  const int64_t n_dk = T * p.Hkv * p.D, n_dkp = T * p.Hpk * p.Dp, n_dkp_acc = T * dkp_rows * p.Dp;
   // The side accumulators (dqp, the non-owned dk / dv, dkp) go into the caller's dq buffer while
   // they fit, in that order: dq is written only by the last convert, after theirs have been read
   // (not so with the query-major dq, which writes it first). Their bytes then leave the workspace
@@ -680,7 +722,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   const size_t dq_bytes = static_cast<size_t>(n_dq) * (p.dtype == DType::fp32 ? 4 : 2);
   const size_t b_dq = dq_query_major ? 0 : pad(n_dq * (dq_kv_int32 ? 4 : acc_elem));
   const size_t b_dqp = pad(n_dqp * (dq_kv_int32 ? 4 : acc_elem)), b_dk = dkv_in_acc ? pad(n_dk * acc_elem) : 0;
-  const size_t b_dkp = dkp_in_acc ? pad(n_dkp * acc_elem) : 0;
+  const size_t b_dkp = dkp_in_acc ? pad(n_dkp_acc * dkp_elem) : 0;
   // The index's scratch lives in the workspace's accumulator region when it fits there (below):
   // where moving the side accumulators out would push it into a workspace buffer of its own that
   // is larger than what they free (the warm-up's all-blocks index with few heads), they stay.
@@ -705,7 +747,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   const AccAt at_dqp = place(n_dqp * (dq_kv_int32 ? 4 : acc_elem), side_in_dq);
   const AccAt at_dk = dkv_in_acc ? place(n_dk * acc_elem, side_in_dq) : AccAt{};
   const AccAt at_dv = dkv_in_acc ? place(n_dk * acc_elem, side_in_dq) : AccAt{};
-  const AccAt at_dkp = dkp_in_acc ? place(n_dkp * acc_elem, side_in_dq) : AccAt{};
+  const AccAt at_dkp = dkp_in_acc ? place(n_dkp_acc * dkp_elem, side_in_dq) : AccAt{};
   const size_t o_acc_end = ws.add(0), side_bytes = dq_used;  // the part of dq to zero
   // The student lse's per-entry partials (read only until lse_s is formed, before the main kernel)
   // go there too, past the accumulators, where they fit: the warm-up's all-blocks index makes
@@ -802,7 +844,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
     constexpr int D = decltype(tag)::value;
     run_kernels<D>(p, stream, ix, ws.at<float>(o_di), ws.at<float>(o_lse_s), dq_acc, dqp_acc, dk_acc, dv_acc,
                    dkp_acc, fx, row_fx, ws.at<float>(o_kl_part), main_owned, kl_owned, nseg, fold, token_rows,
-                   n_chunks, n_chunks > 0 ? ws.at<int32_t>(o_chunk_bounds) : nullptr);
+                   n_chunks, n_chunks > 0 ? ws.at<int32_t>(o_chunk_bounds) : nullptr, dkp_per_head);
   };
   if (p.D == 64) run(std::integral_constant<int, 64>{});
   else run(std::integral_constant<int, 128>{});
@@ -819,7 +861,13 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
     convert(dk_acc, n_dk, 1, p.dk);
     convert(dv_acc, n_dk, 2, p.dv);
   }
-  if (dkp_in_acc) convert(dkp_acc, n_dkp, 4, p.dkp);
+  if (dkp_per_head) {
+    sum_partials_kernel<<<grid_for(n_dkp / 8, 256), 256, 0, stream>>>(static_cast<const float*>(dkp_acc), n_dkp,
+                                                                      p.Dp, p.Hp / p.Hpk, static_cast<bf16*>(p.dkp));
+    FLASHMSA_CHECK_LAUNCH();
+  } else if (dkp_in_acc) {
+    convert(dkp_acc, n_dkp, 4, p.dkp);
+  }
   // Last: it overwrites the side accumulators that live in dq.
   if (!dq_query_major) convert(dq_acc, n_dq, 0, p.dq, token_rows > 0, dq_kv_int32, row_fx);
   if (p.kl) launch_kl_final(p, stream, ws.at<float>(o_kl_part), n_kl_part);
