@@ -39,8 +39,8 @@ export PYTHONPATH=$PWD/python FLASHMSA_TORCH_LIBRARY=$PWD/$BIN/_C.so PYTHONUNBUF
 [ -z "${FLASHMSA_COMMIT:-}" ] && [ -f "$BIN/COMMIT" ] && export FLASHMSA_COMMIT=$(cat "$BIN/COMMIT")
 has tests && run_stage gpu_tests "$BIN/flashmsa_gpu_tests" --gtest_brief=1
 has sanitizer && run_stage sanitizer compute-sanitizer --tool memcheck --error-exitcode 9 \
-  "$BIN/flashmsa_gpu_tests" --gtest_brief=1 --gtest_filter="${SANITIZER_FILTER:-*FewerVisible*:*LocalOnlyK1*:*ManyShort*:*OddHead*:CudaWarmup.GqaD64TwoSequences:*WgmmaPathGroupOf16K16*:*KlValueKvMajor*:*DeterministicDq*:*WgmmaKv*:*SharedKv*:*TokenRows*:*DeterministicWgmma*:SelectionIndex.*}"
-if has racecheck; then  # shared-memory hazards of the mma.sync paths and the index's counting sort (on the wgmma ones > 150 s per test)
+  "$BIN/flashmsa_gpu_tests" --gtest_brief=1 --gtest_filter="${SANITIZER_FILTER:-*FewerVisible*:*LocalOnlyK1*:*ManyShort*:*OddHead*:CudaWarmup.GqaD64TwoSequences:*WgmmaPathGroupOf16K16*:*KlValueKvMajor*:*DeterministicDq*:*WgmmaKv*:*SharedKv*:*TokenRows*:*DeterministicWgmma*:*DeterministicDkp*:SelectionIndex.*}"
+if has racecheck; then  # shared-memory hazards of the mma.sync paths (on the wgmma ones > 150 s per test)
   # The stage fails on any hazard: racecheck reports warp-level ones as warnings, with exit code 0.
   race_stage() {  # name, filter, environment...
     local name=$1 filter=$2; shift 2
@@ -52,7 +52,6 @@ if has racecheck; then  # shared-memory hazards of the mma.sync paths and the in
     FLASHMSA_FORWARD_PATH=query FLASHMSA_BACKWARD_PATH=mma
   race_stage racecheck_kv CudaForward.LocalOnlyK1 FLASHMSA_FORWARD_PATH=kv
   race_stage racecheck_bwd_mma CudaBackward.LocalOnlyK1 FLASHMSA_BACKWARD_PATH=mma
-  race_stage racecheck_index 'SelectionIndex.VarlenEdgeLengths:SelectionIndex.ManySequences'  # per-warp counters
 fi
 if has racecheck_wgmma; then  # not in the default: the default (wgmma) paths on one small step each
   # flashmsa_run's whole step (selection, wgmma forward with its KL value, the token-row / shared-kv

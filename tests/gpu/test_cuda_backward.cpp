@@ -755,13 +755,6 @@ void check_token_chunks(const Shape& s, uint64_t seed) {
     gputest::ScopedEnv env("FLASHMSA_BWD_CHUNK", chunk);
     compare(run_gpu(d, st, false), cpu, std::string("fast, chunk ") + chunk);
   }
-  {
-    gputest::ScopedEnv partials("FLASHMSA_DKP_PARTIALS", "1");  // fast mode's per-proxy-head dkp partials
-    for (const char* chunk : {"0", "640"}) {
-      gputest::ScopedEnv env("FLASHMSA_BWD_CHUNK", chunk);
-      compare(run_gpu(d, st, false), cpu, std::string("fast, dkp partials, chunk ") + chunk);
-    }
-  }
   gputest::ScopedEnv dq_env("FLASHMSA_DET_DQ", "kv");  // an error unless the int32 dq form runs
   for (const char* chunk : {"96", "2048"}) {
     gputest::ScopedEnv env("FLASHMSA_BWD_CHUNK", chunk);

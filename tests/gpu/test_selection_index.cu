@@ -1,10 +1,9 @@
 // Tests of the inverted selection index (src/cuda/common/selection_index.cuh) that the KV-major
 // forward and the fused backward read: for every (proxy head, global key block) the list of
 // entries t * K + slot that chose it, ascending, the padding and the entries naming a block the
-// token cannot see last (the sentinel key), plus the lists' offsets. Both sorts (the counting
-// sort and cub's radix sort, whatever FLASHMSA_INDEX_SORT says) are built into a poisoned workspace and compared element for element
-// with a stable sort on the host, over the whole value array: an entry written twice, a missed
-// one or a wrong rank all show.
+// token cannot see last (the sentinel key), plus the lists' offsets. The index is built into a
+// poisoned workspace and compared element for element with a stable sort on the host, over the
+// whole value array: an entry written twice, a missed one or a wrong rank all show.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -27,7 +26,6 @@ struct IndexCase {
   std::vector<int32_t> cu;  // [B+1]
   int Hp = 1, K = 1;
   bool all_blocks = false;  // every visible block (the dense warm-up's selection)
-  bool expect_counting = true;
 };
 
 struct HostIndex {
@@ -105,27 +103,21 @@ void check_index(const IndexCase& c, uint32_t seed) {
   SelectionIndexPlan s = selection_index_sizes(p);
   Workspace ws;
   reserve_selection_index(s, p, ws, stream);
-  ASSERT_EQ(s.counting_fits, c.expect_counting) << "tiles " << s.tiles << ", cells " << s.cells;
   ws.allocate(stream);
   const HostIndex want = host_index(c, sel, s.NB);
   ASSERT_EQ(want.vals.size(), static_cast<size_t>(s.n_entries));
-  for (const bool counting : {true, false}) {
-    if (counting && !s.counting_fits) continue;
-    SCOPED_TRACE(counting ? "counting sort" : "radix sort");
-    s.counting = counting;
-    GPUTEST_CUDA(cudaMemsetAsync(ws.at<void>(0), gputest::kIntPoisonByte, ws.size(), stream));
-    build_selection_index(p, s, ws, stream);
-    std::vector<int32_t> vals(s.n_entries), seg(s.nkeys + 1);
-    GPUTEST_CUDA(cudaMemcpyAsync(vals.data(), ws.at<int32_t>(s.o_vals_out), vals.size() * 4, cudaMemcpyDeviceToHost, stream));
-    GPUTEST_CUDA(cudaMemcpyAsync(seg.data(), ws.at<int32_t>(s.o_seg), seg.size() * 4, cudaMemcpyDeviceToHost, stream));
-    GPUTEST_CUDA(cudaStreamSynchronize(stream));
-    EXPECT_EQ(seg, want.seg);
-    int64_t wrong = 0, first = -1;
-    for (size_t i = 0; i < vals.size(); ++i)
-      if (vals[i] != want.vals[i] && wrong++ == 0) first = static_cast<int64_t>(i);
-    EXPECT_EQ(wrong, 0) << "first at " << first << ": " << (first >= 0 ? vals[first] : 0) << " instead of "
-                        << (first >= 0 ? want.vals[first] : 0);
-  }
+  GPUTEST_CUDA(cudaMemsetAsync(ws.at<void>(0), gputest::kIntPoisonByte, ws.size(), stream));
+  build_selection_index(p, s, ws, stream);
+  std::vector<int32_t> vals(s.n_entries), seg(s.nkeys + 1);
+  GPUTEST_CUDA(cudaMemcpyAsync(vals.data(), ws.at<int32_t>(s.o_vals_out), vals.size() * 4, cudaMemcpyDeviceToHost, stream));
+  GPUTEST_CUDA(cudaMemcpyAsync(seg.data(), ws.at<int32_t>(s.o_seg), seg.size() * 4, cudaMemcpyDeviceToHost, stream));
+  GPUTEST_CUDA(cudaStreamSynchronize(stream));
+  EXPECT_EQ(seg, want.seg);
+  int64_t wrong = 0, first = -1;
+  for (size_t i = 0; i < vals.size(); ++i)
+    if (vals[i] != want.vals[i] && wrong++ == 0) first = static_cast<int64_t>(i);
+  EXPECT_EQ(wrong, 0) << "first at " << first << ": " << (first >= 0 ? vals[first] : 0) << " instead of "
+                      << (first >= 0 ? want.vals[first] : 0);
   ws.release();
   GPUTEST_CUDA(cudaStreamSynchronize(stream));
   GPUTEST_CUDA(cudaStreamDestroy(stream));
@@ -143,10 +135,10 @@ TEST(SelectionIndex, VarlenEdgeLengths) { check_index({offsets({1, 127, 128, 129
 
 TEST(SelectionIndex, OneBlockPerToken) { check_index({offsets({5000}), 1, 1}, 13); }
 
-// Long enough for ~128 tiles of 128 tokens per head, as at m3.
+// 128 blocks per head with K = 16, as at m3.
 TEST(SelectionIndex, M3LikeSixteenK) { check_index({offsets({16384}), 4, 16}, 14); }
 
-// Tiles over several sequences and many of them (tile starts inside sequences).
+// Many sequences: the global blocks' offsets and the sequence of each token.
 TEST(SelectionIndex, ManySequences) {
   std::vector<int32_t> lengths;
   std::mt19937 rng(7);
@@ -156,11 +148,10 @@ TEST(SelectionIndex, ManySequences) {
 
 TEST(SelectionIndex, EveryVisibleBlock) { check_index({offsets({2048, 300}), 2, 16, true}, 16); }
 
-// K > 32: a token's entries span two rounds of 32.
+// K > 32 with every visible block selected.
 TEST(SelectionIndex, EveryVisibleBlockKAbove32) { check_index({offsets({5200}), 1, 40, true}, 18); }
 
-// One-token sequences with K = 1: a block per token, the cells (one per block and tile) would
-// outnumber the entries, so only the radix sort applies.
-TEST(SelectionIndex, RadixWhereCellsDoNotFit) { check_index({offsets(std::vector<int32_t>(200, 1)), 2, 1, false, false}, 17); }
+// One-token sequences with K = 1: a block per token.
+TEST(SelectionIndex, OneTokenSequences) { check_index({offsets(std::vector<int32_t>(200, 1)), 2, 1}, 17); }
 
 }  // namespace

@@ -4,26 +4,19 @@
 //   1. first global block of each sequence (blk_off), the sequence of each global block (blk_seq);
 //   2. one key per entry, p * NB + global block, or a sentinel (nkeys) for padding and blocks
 //      the token cannot see; value t * K + slot;
-//   3. a stable sort by key, so each list is ascending in t and the same every run: cub's radix
-//      sort of (key, value) pairs or, with FLASHMSA_INDEX_SORT=counting where the index fits its
-//      histograms, a counting sort (per-warp histograms over tiles of tokens, one exclusive
-//      scan, a scatter that ranks equal keys in entry order; not yet the default: not yet
-//      measured on a GPU); the two give the same array, the sentinel entries last;
-//   4. list offsets: list `key` is vals[seg[key], seg[key + 1]).
+//   3. cub stable radix sort, so each list is ascending in t and the same every run;
+//   4. list offsets by lower bound: list `key` is vals[seg[key], seg[key + 1]).
 // Plus the host helpers both launchers use (grid sizes, one stream-ordered workspace).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cub/device/device_radix_sort.cuh>
-#include <cub/device/device_scan.cuh>
 
 #include <algorithm>
 #include <climits>
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "common/check.cuh"
 #include "common/metadata.cuh"
@@ -123,89 +116,6 @@ __global__ void make_keys_kernel(const int32_t* __restrict__ block_idx,  // [Hp,
   }
 }
 
-// ---- the counting sort ----
-// Warp w = p * tiles + tile takes the entries of proxy head p's tokens [tile * tile_tokens, +
-// tile_tokens) in entry order, 32 at a time, with its own NB + 1 counters in shared memory (the
-// last for the sentinel). The cells, one per (key, warp), are laid out key-major so that one
-// exclusive scan gives each warp the first position of each of its keys: [p][global block][tile]
-// for the Hp * NB real keys, then the sentinel's [p][tile] (the sentinel bucket holds every
-// head's padding in entry order, as the radix sort leaves it).
-struct CountingTiles {
-  int Hp, NB, tiles, tile_tokens;
-  __device__ __forceinline__ int64_t cell(int p, int tile, int key) const {
-    return key < NB ? (static_cast<int64_t>(p) * NB + key) * tiles + tile
-                    : static_cast<int64_t>(Hp) * NB * tiles + static_cast<int64_t>(p) * tiles + tile;
-  }
-};
-
-// kScatter false: each warp counts its keys into cells[]. kScatter true: cells[] holds the scan
-// (first positions); each warp writes its entries' values t * K + slot to vals_out[], an entry's
-// rank among equal keys of its 32 being the number of lower lanes holding that key.
-template <bool kScatter>
-__global__ void __launch_bounds__(256) counting_pass_kernel(const int32_t* __restrict__ block_idx,  // [Hp, T, K]
-                                                            const int32_t* __restrict__ cu,         // [B+1]
-                                                            const int32_t* __restrict__ blk_off,    // [B+1]
-                                                            int B, int64_t T, int K, CountingTiles ct,
-                                                            int32_t* __restrict__ cells,     // [(Hp*NB + Hp) * tiles]
-                                                            int32_t* __restrict__ vals_out) {  // [Hp*T*K]
-  extern __shared__ int32_t warp_counters[];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t w = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + warp;
-  if (w >= static_cast<int64_t>(ct.Hp) * ct.tiles) return;  // the whole warp: no block-wide barrier below
-  const int p = static_cast<int>(w / ct.tiles), tile = static_cast<int>(w % ct.tiles);
-  int32_t* counter = warp_counters + warp * (ct.NB + 1);
-  for (int key = lane; key <= ct.NB; key += 32) counter[key] = kScatter ? cells[ct.cell(p, tile, key)] : 0;
-  __syncwarp();
-  const int64_t TK = T * K;
-  const int32_t* sel = block_idx + p * TK;
-  const int64_t e_begin = static_cast<int64_t>(tile) * ct.tile_tokens * K;
-  const int64_t tile_end = e_begin + static_cast<int64_t>(ct.tile_tokens) * K;
-  const int64_t e_end = tile_end < TK ? tile_end : TK;
-  // Keys of kAhead rounds first, so that their loads are in flight together.
-  constexpr int kAhead = 8;
-  for (int64_t e0 = e_begin; e0 < e_end; e0 += 32 * kAhead) {
-    int key[kAhead];
-#pragma unroll
-    for (int j = 0; j < kAhead; ++j) {
-      const int64_t e = e0 + 32 * j + lane;
-      key[j] = -1;  // past the tile
-      if (e < e_end) {
-        int seq;
-        const int blk = entry_block(cu, B, e / K, __ldg(sel + e), seq);
-        key[j] = blk >= 0 ? __ldg(blk_off + seq) + blk : ct.NB;
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < kAhead; ++j) {
-      if constexpr (kScatter) {
-        const unsigned peers = __match_any_sync(0xffffffffu, key[j]);
-        const int leader = __ffs(peers) - 1;
-        int first = 0;
-        if (key[j] >= 0 && lane == leader) {
-          first = counter[key[j]];
-          counter[key[j]] = first + __popc(peers);
-        }
-        first = __shfl_sync(0xffffffffu, first, leader);
-        if (key[j] >= 0)
-          vals_out[first + __popc(peers & ((1u << lane) - 1u))] = static_cast<int32_t>(e0 + 32 * j + lane);
-      } else if (key[j] >= 0) {
-        atomicAdd(counter + key[j], 1);
-      }
-      __syncwarp();  // the counters' updates seen by the next round's leaders
-    }
-  }
-  if constexpr (!kScatter)
-    for (int key = lane; key <= ct.NB; key += 32) cells[ct.cell(p, tile, key)] = counter[key];
-}
-
-// seg_start[key] = the scan at the key's first cell (tile 0 of head 0 for the sentinel: the
-// number of real entries), key in [0, nkeys].
-__global__ void counting_list_offsets_kernel(const int32_t* __restrict__ scan, int64_t nkeys, int tiles,
-                                             int32_t* __restrict__ seg_start) {  // [nkeys+1]
-  const int64_t key = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (key <= nkeys) seg_start[key] = scan[key * tiles];
-}
-
 // seg_start[key] = first sorted position whose key is >= key (lower bound), key in [0, nkeys].
 __global__ void list_offsets_kernel(const uint32_t* __restrict__ sorted_keys,  // [n]
                                     int64_t n, int64_t nkeys,
@@ -230,13 +140,6 @@ struct SelectionIndexPlan {
   int64_t nkeys = 0;      // Hp * NB, also the sentinel key
   int end_bit = 1;        // radix bits that cover keys 0..nkeys
   size_t cub_bytes = 0;
-  // The counting sort (taken when `counting`, which needs `counting_fits`): its cells and their
-  // scan in the keys' two regions, cub's scan storage in the values' one.
-  bool counting_fits = false, counting = false;
-  int tiles = 0, tile_tokens = 0;  // per proxy head: tiles of tile_tokens tokens, one warp each
-  int warps_per_cta = 0;           // the warps' counters (NB + 1 each) within 48 KB of shared memory
-  int64_t cells = 0;               // (Hp * NB + Hp) * tiles
-  size_t scan_bytes = 0;
   size_t o_blk_off = 0, o_blk_seq = 0;   // [B+1], [max(NB, 1)]
   size_t o_keys_in = 0, o_keys_out = 0;  // [n_entries] each
   size_t o_vals_in = 0, o_vals_out = 0;  // [n_entries] each; vals_out is the sorted list
@@ -266,36 +169,6 @@ inline SelectionIndexPlan selection_index_sizes(const MsaParams& p) {
   return s;
 }
 
-// FLASHMSA_INDEX_SORT=counting: the counting sort where it fits.
-inline bool index_sort_counting_requested() {
-  const char* v = std::getenv("FLASHMSA_INDEX_SORT");
-  return v != nullptr && std::strcmp(v, "counting") == 0;
-}
-
-// The counting sort's tiles: about 128 tokens each, fewer and longer where the cells would
-// exceed a quarter of the entries (long sequences: NB grows with T, so the cells as T^2 / tile),
-// so that they fit in the keys' regions. It does not apply when one warp's counters exceed
-// 48 KB (a sequence of more than ~1.5M tokens) or the cells still do not fit.
-inline void plan_counting_sort(SelectionIndexPlan& s, const MsaParams& p, cudaStream_t stream) {
-  s.counting_fits = s.counting = false;
-  if (s.n_entries <= 0 || s.NB <= 0) return;
-  const int64_t counters = static_cast<int64_t>(s.NB) + 1;
-  const int64_t per_warp_bytes = counters * static_cast<int64_t>(sizeof(int32_t));
-  if (per_warp_bytes > 48 * 1024) return;
-  const int64_t TK = p.T * p.top_k;
-  const int64_t tiles = std::max<int64_t>(1, std::min<int64_t>((p.T + 127) / 128, TK / (4 * counters)));
-  s.tile_tokens = static_cast<int>((p.T + tiles - 1) / tiles);
-  s.tiles = static_cast<int>((p.T + s.tile_tokens - 1) / s.tile_tokens);
-  s.cells = static_cast<int64_t>(p.Hp) * counters * s.tiles;
-  if (s.cells > s.n_entries || s.cells > INT_MAX) return;
-  s.warps_per_cta = static_cast<int>(std::min<int64_t>(8, 48 * 1024 / per_warp_bytes));
-  FLASHMSA_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, s.scan_bytes, static_cast<const int32_t*>(nullptr),
-                                                    static_cast<int32_t*>(nullptr), static_cast<int>(s.cells),
-                                                    stream));
-  s.counting_fits = s.scan_bytes <= static_cast<size_t>(s.n_entries) * 4;
-  s.counting = s.counting_fits && index_sort_counting_requested();
-}
-
 // Reserves the index's lasting buffers (block offsets, block sequences, the sorted list, the
 // per-key segments) in `ws` and sizes cub's temporary storage; launches nothing. The scratch
 // (keys in and out, values in, cub's storage), read only while the index is built, is placed by
@@ -304,7 +177,6 @@ inline void reserve_selection_lists(SelectionIndexPlan& s, const MsaParams& p, W
   FLASHMSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
       nullptr, s.cub_bytes, static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
       static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), s.n_entries, 0, s.end_bit, stream));
-  plan_counting_sort(s, p, stream);
   s.o_blk_off = ws.add((p.B + 1) * sizeof(int32_t));
   s.o_blk_seq = ws.add(std::max(s.NB, 1) * sizeof(int32_t));
   s.o_vals_out = ws.add(s.n_entries * 4);
@@ -358,33 +230,6 @@ inline void reserve_selection_index(SelectionIndexPlan& s, const MsaParams& p, W
   place_selection_scratch(s, ws);
 }
 
-// Steps 3 and 4 by the counting sort: cells in keys_in, their scan in keys_out, cub's storage in
-// vals_in.
-inline void build_counting_sorted(const MsaParams& p, const SelectionIndexPlan& s, const Workspace& ws,
-                                  cudaStream_t stream) {
-  const CountingTiles ct{p.Hp, s.NB, s.tiles, s.tile_tokens};
-  int32_t* counts = s.scratch_at<int32_t>(ws, s.o_keys_in);
-  int32_t* scan = s.scratch_at<int32_t>(ws, s.o_keys_out);
-  const int warps = p.Hp * s.tiles;
-  const int grid = (warps + s.warps_per_cta - 1) / s.warps_per_cta;
-  const size_t smem = static_cast<size_t>(s.warps_per_cta) * (s.NB + 1) * sizeof(int32_t);
-  const int32_t* blk_off = ws.at<int32_t>(s.o_blk_off);
-  int32_t* vals = ws.at<int32_t>(s.o_vals_out);
-  counting_pass_kernel<false><<<grid, 32 * s.warps_per_cta, smem, stream>>>(p.block_idx, p.cu_seqlens, blk_off, p.B,
-                                                                           p.T, p.top_k, ct, counts, nullptr);
-  FLASHMSA_CHECK_LAUNCH();
-  size_t scan_bytes = s.scan_bytes;
-  FLASHMSA_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(s.scratch_at<void>(ws, s.o_vals_in), scan_bytes,
-                                                    static_cast<const int32_t*>(counts), scan,
-                                                    static_cast<int>(s.cells), stream));
-  counting_pass_kernel<true><<<grid, 32 * s.warps_per_cta, smem, stream>>>(p.block_idx, p.cu_seqlens, blk_off, p.B,
-                                                                          p.T, p.top_k, ct, scan, vals);
-  FLASHMSA_CHECK_LAUNCH();
-  counting_list_offsets_kernel<<<grid_for(s.nkeys + 1, 256, INT_MAX), 256, 0, stream>>>(
-      scan, s.nkeys, s.tiles, ws.at<int32_t>(s.o_seg));
-  FLASHMSA_CHECK_LAUNCH();
-}
-
 // Builds the index into the allocated workspace, on `stream`.
 inline void build_selection_index(const MsaParams& p, const SelectionIndexPlan& s, const Workspace& ws,
                                   cudaStream_t stream) {
@@ -393,10 +238,6 @@ inline void build_selection_index(const MsaParams& p, const SelectionIndexPlan& 
     FLASHMSA_CHECK_LAUNCH();
     block_sequence_kernel<<<p.B, 128, 0, stream>>>(ws.at<int32_t>(s.o_blk_off), ws.at<int32_t>(s.o_blk_seq));
     FLASHMSA_CHECK_LAUNCH();
-  }
-  if (s.counting) {
-    build_counting_sorted(p, s, ws, stream);
-    return;
   }
   make_keys_kernel<<<grid_for(s.n_entries, 256), 256, 0, stream>>>(
       p.block_idx, p.cu_seqlens, ws.at<int32_t>(s.o_blk_off), p.B, p.T, p.top_k, s.NB, s.n_entries,

@@ -394,7 +394,7 @@ struct FoldArgs {
   // (n_chunks + 1) + c] .. [.. + c + 1] of its block's list; dk / dv go into dk_acc / dv_acc.
   int n_chunks = 0;
   const int32_t* chunk_bounds = nullptr;  // [Hp, NB, n_chunks + 1]
-  // The wgmma kernel (fused_backward.cu: its DET forms without token chunks; fast mode on request):
+  // The wgmma kernel (fused_backward.cu: its DET forms without token chunks):
   // dkp_acc is [T, Hp, D] fp32, one partial per proxy head, instead of the shared [T, Hpk, D].
   bool dkp_per_head = false;
 };

@@ -689,14 +689,13 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // deterministic backward at m3/64k, the fast form's 2.1: timing probes, h200_dkp_red_probes_ab41.log).
   // R <= 4 (m3: 4): the partials then take at most twice the int64 accumulator's bytes.
   // FLASHMSA_DET_DKP=int64 keeps the fixed point, =partials makes it an error when the partials do not
-  // apply (tests; read per call). FLASHMSA_DKP_PARTIALS=1: the partials in fast mode too (A/B: the R
-  // CTAs of a key block then add to different rows).
+  // apply (tests; read per call). In fast mode the partials measured slower than the shared fp32
+  // accumulator (m3/64k backward +0.1 ms, fm16k +0.06: perf-notes), so it keeps that.
   const bool det_partials_apply = det && takes_wgmma && n_chunks == 0 && p.Hp <= 4 * p.Hpk;
   if (det && env_is("FLASHMSA_DET_DKP", "partials") && !det_partials_apply)
     throw Error("flashmsa: fused_backward: FLASHMSA_DET_DKP=partials, but the per-proxy-head dkp partials do not "
                 "apply (argument 'qp': the wgmma backward, no token chunks, Hp <= 4 Hpk)");
-  const bool dkp_per_head = det ? det_partials_apply && !env_is("FLASHMSA_DET_DKP", "int64")
-                                : takes_wgmma && env_is("FLASHMSA_DKP_PARTIALS", "1");
+  const bool dkp_per_head = det_partials_apply && !env_is("FLASHMSA_DET_DKP", "int64");
   const int64_t dkp_rows = dkp_per_head ? p.Hp : p.Hpk;
   const size_t dkp_elem = dkp_per_head ? 4 : acc_elem;
   if (backward_rows_env("1") && token_rows == 0)
