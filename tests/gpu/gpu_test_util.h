@@ -403,4 +403,34 @@ class ScopedEnv {
   std::string old_;
 };
 
+// For one scope, every flashmsa workspace allocation comes from cudaMallocAsync filled with 0xFF
+// bytes (NaN in fp32), so an accumulator element a kernel relies on but never writes shows as NaN;
+// flashmsa's own pool (which hands back earlier calls' memory) is restored after.
+class PoisonedWorkspace {
+ public:
+  PoisonedWorkspace() {
+    flashmsa::WorkspaceAllocator a;
+    a.allocate = [](void*, size_t bytes, int, flashmsa::Stream stream) -> void* {
+      void* p = nullptr;
+      const auto st = static_cast<cudaStream_t>(stream);
+      if (cudaMallocAsync(&p, bytes, st) != cudaSuccess) return nullptr;
+      if (cudaMemsetAsync(p, kFloatPoison, bytes, st) != cudaSuccess) {
+        cudaFreeAsync(p, st);
+        return nullptr;
+      }
+      return p;
+    };
+    a.deallocate = [](void*, void* p, int, flashmsa::Stream stream) {
+      cudaFreeAsync(p, static_cast<cudaStream_t>(stream));
+    };
+    flashmsa::set_workspace_allocator(a);
+  }
+  ~PoisonedWorkspace() {
+    cudaDeviceSynchronize();
+    flashmsa::set_workspace_allocator(flashmsa::WorkspaceAllocator());
+  }
+  PoisonedWorkspace(const PoisonedWorkspace&) = delete;
+  PoisonedWorkspace& operator=(const PoisonedWorkspace&) = delete;
+};
+
 }  // namespace gputest

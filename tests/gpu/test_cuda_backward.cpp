@@ -770,6 +770,43 @@ TEST(CudaBackward, TokenChunksTokenRows) {
   check_token_chunks(shape(32, 4, 4, 4, 128, 5, {2600, 1}), 57);
 }
 
+// The own-block pass of the fast token-chunked backward (FoldArgs::own_pass): each dq / dqp row is
+// first STORED by its token's own-block CTA, so those accumulators are not zeroed; rows of tokens
+// whose selection leaves the own block out (here rows (p, t) with (t + p) % 3 == 0, and so some
+// all-padding rows) are zeroed by a kernel of their own. On a NaN-poisoned workspace a row that is
+// neither stored nor zeroed shows; FLASHMSA_BWD_OWN_PASS=0 (zeroed accumulators) must agree.
+void check_own_pass(const Shape& s, uint64_t seed) {
+  Setup st;
+  make_setup(st, s, seed, true, 0.7f, [&](Setup& x) {
+    for (int p = 0; p < s.Hp; ++p)
+      for (int b = 0; b < x.pr.B; ++b)
+        for (int64_t t = x.pr.cu[b]; t < x.pr.cu[b + 1]; ++t) {
+          if ((t + p) % 3 != 0) continue;
+          int32_t* row = x.sel.data() + (static_cast<int64_t>(p) * x.pr.T + t) * s.K;
+          const int own = static_cast<int>(t - x.pr.cu[b]) / 128;
+          for (int k = 0; k < s.K; ++k)  // rows ascend: the own block is the last entry
+            if (row[k] == own && (k + 1 == s.K || row[k + 1] < 0)) row[k] = -1;
+        }
+  });
+  const Grads cpu = run_cpu(st);
+  DeviceSide d;
+  upload(d, st);
+  gputest::ScopedEnv rows("FLASHMSA_BWD_ROWS", "1");  // an error unless the token-row form runs
+  gputest::PoisonedWorkspace poison;
+  for (const char* chunk : {"96", "1024"}) {
+    gputest::ScopedEnv env("FLASHMSA_BWD_CHUNK", chunk);
+    compare(run_gpu(d, st, false), cpu, std::string("own pass, chunk ") + chunk);
+    gputest::ScopedEnv off("FLASHMSA_BWD_OWN_PASS", "0");
+    compare(run_gpu(d, st, false), cpu, std::string("zeroed accumulators, chunk ") + chunk);
+  }
+}
+
+TEST(CudaBackward, OwnBlockPass) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_own_pass(shape(64, 4, 4, 1, 128, 16, {2000, 333, 700}), 58);
+  check_own_pass(shape(32, 4, 4, 4, 128, 5, {1500, 1}), 59);
+}
+
 // Heavy-tailed inputs for the token-row DET form's int32 dq: one key channel 30x the rest (an
 // outlier channel, as trained models have) and one token's dO 100x every other token's. A
 // per-tensor fixed-point scale leaves the other rows few bits (a numerical model of these inputs:

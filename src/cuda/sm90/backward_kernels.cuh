@@ -394,6 +394,15 @@ struct FoldArgs {
   // (n_chunks + 1) + c] .. [.. + c + 1] of its block's list; dk / dv go into dk_acc / dv_acc.
   int n_chunks = 0;
   const int32_t* chunk_bounds = nullptr;  // [Hp, NB, n_chunks + 1]
+  // With token chunks in fast mode (fused_backward.cu: the own-block pass): own_end[p NB + g] is the
+  // end of list (p, g)'s OWN entries, the tokens inside block g (the head of the ascending list).
+  // own_pass = 1: a launch of its own before the main one, grid x over (key block, group in the
+  // sweep), each CTA takes its list's own entries and STORES their dq / dqp rows (every token's own
+  // block is in its selection, so each row gets exactly one store; rows of tokens without it are
+  // zeroed beforehand), so the dq and dqp accumulators need no zeroing; its KL share goes to slot
+  // n_chunks. own_pass = 0 with own_end: the chunk CTAs skip the own entries and reduce-add.
+  const int32_t* own_end = nullptr;  // [Hp, NB]
+  int own_pass = 0;
   // The wgmma kernel (fused_backward.cu: its DET forms without token chunks):
   // dkp_acc is [T, Hp, D] fp32, one partial per proxy head, instead of the shared [T, Hpk, D].
   bool dkp_per_head = false;

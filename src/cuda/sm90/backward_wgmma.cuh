@@ -190,6 +190,20 @@ __device__ __forceinline__ void wb_bulk_reduce_if(bool ok, float* dst, uint32_t 
       : "memory");
 }
 
+// The same, or (store) a plain bulk copy that overwrites dst: the own-block pass's first write of
+// its rows (FoldArgs::own_pass). Two predicates, no branch (see wb_bulk_reduce_if's call sites).
+__device__ __forceinline__ void wb_bulk_reduce_or_store_if(bool ok, bool store, float* dst, uint32_t src_smem,
+                                                           uint32_t bytes) {
+  const uint64_t gaddr = static_cast<uint64_t>(__cvta_generic_to_global(dst));
+  asm volatile(
+      "{\n.reg .pred q, w, a;\nsetp.ne.b32 q, %2, 0;\n"
+      "setp.eq.and.b32 a, %3, 0, q;\nsetp.ne.and.b32 w, %3, 0, q;\n"
+      "@a cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %4;\n"
+      "@w cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %4;\n}\n" ::"l"(gaddr),
+      "r"(src_smem), "r"(ok ? 1 : 0), "r"(store ? 1 : 0), "r"(bytes)
+      : "memory");
+}
+
 // The same for int32 fixed-point rows (the token-row DET form's dq, dqp): integer adds commute, so
 // the deterministic form's sums do not depend on the order.
 __device__ __forceinline__ void wb_bulk_reduce_s32_if(bool ok, int* dst, uint32_t src_smem, uint32_t bytes) {
@@ -371,10 +385,16 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   BlockCtx bc = block_ctx(ix, p, g);
   if constexpr (kChunkable) {
     if (fa.n_chunks > 0) {
-      const int32_t* cb = fa.chunk_bounds + (static_cast<int64_t>(p) * ix.NB + g) * (fa.n_chunks + 1) + chunk;
-      bc.begin = __ldg(cb);
-      bc.end = __ldg(cb + 1);
-      if (bc.begin == bc.end) return;  // CTA-uniform; the accumulators are zeroed, kl_part too
+      const int64_t list = static_cast<int64_t>(p) * ix.NB + g;
+      if (fa.own_pass) {
+        bc.end = __ldg(fa.own_end + list);  // the list's own entries (grid x without chunks: chunk 0)
+      } else {
+        const int32_t* cb = fa.chunk_bounds + list * (fa.n_chunks + 1) + chunk;
+        bc.begin = __ldg(cb);
+        bc.end = __ldg(cb + 1);
+        if (fa.own_end) bc.begin = max(bc.begin, __ldg(fa.own_end + list));  // the own pass took those
+      }
+      if (bc.begin >= bc.end) return;  // CTA-uniform; the accumulators are zeroed, kl_part too
     }
   }
   const int ntiles = (bc.end - bc.begin + kTileTok - 1) / kTileTok;
@@ -996,9 +1016,9 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
                               smem_u32(rows_step ? token_region(r % (kTileTok / kRm)) : stg_row(r)),
                               rows_step ? kRm * 512 : 64 * 4);
       else if constexpr (RM > 0)
-        wb_bulk_reduce_if(issues && t >= 0, dst,
-                          smem_u32(rows_step ? token_region(r % (kTileTok / kRm)) : stg_row(r)),
-                          rows_step ? kRm * 512 : 64 * 4);
+        wb_bulk_reduce_or_store_if(issues && t >= 0, fa.own_pass != 0, dst,
+                                   smem_u32(rows_step ? token_region(r % (kTileTok / kRm)) : stg_row(r)),
+                                   rows_step ? kRm * 512 : 64 * 4);
       else
         wb_bulk_reduce_if(issues && t >= 0, dst, smem_u32(stg_row(r)));
       bulk_commit_group();
@@ -1074,8 +1094,9 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   if (ct == 0) {
     float total = 0.f;
     for (int w = 0; w < 8; ++w) total += sRed[w];
-    // With token chunks: one slot per (chunk, p, g), [n_chunks][Hp][NB].
-    fa.kl_part[(static_cast<int64_t>(chunk) * Hp + p) * ix.NB + g] = total;
+    // With token chunks: one slot per (chunk, p, g), [n_chunks (+ 1: the own pass)][Hp][NB].
+    const int slot = fa.own_pass ? fa.n_chunks : chunk;
+    fa.kl_part[(static_cast<int64_t>(slot) * Hp + p) * ix.NB + g] = total;
   }
 }
 

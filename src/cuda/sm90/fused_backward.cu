@@ -335,6 +335,53 @@ __global__ void chunk_bounds_kernel(const int32_t* __restrict__ seg_start,  // [
   bounds[i] = lo;
 }
 
+// own_end[list] = the end of list (p NB + g)'s own entries: the first whose token lies past block g
+// (the list is ascending in t and holds no token before the block).
+__global__ void own_bounds_kernel(bwd::Index ix, int64_t n_lists, int32_t* __restrict__ own_end) {  // [n_lists]
+  const int64_t list = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (list >= n_lists) return;
+  const bwd::BlockCtx bc = bwd::block_ctx(ix, static_cast<int>(list / ix.NB), static_cast<int>(list % ix.NB));
+  const int64_t key = (bc.seq_start + bc.key0 + bwd::kBlk) * ix.K;
+  int lo = bc.begin, hi = bc.end;
+  while (lo < hi) {
+    const int mid = lo + (hi - lo) / 2;
+    if (ix.vals[mid] < key) lo = mid + 1;
+    else hi = mid;
+  }
+  own_end[list] = lo;
+}
+
+// The own-block pass stores the dq / dqp rows of every token in its own block's list; the rows of a
+// token whose selection (row (p, t) of block_idx) leaves its own block out get no store and are
+// zeroed here instead. One thread per (p, t); such rows are rare (select_blocks always keeps the own
+// block), so their zeroing is a plain loop.
+__global__ void zero_rows_without_own_block_kernel(const int32_t* __restrict__ block_idx,  // [Hp, T, K]
+                                                   const int32_t* __restrict__ cu, int B, int64_t T, int Hp,
+                                                   int K, int H, int D,
+                                                   float* __restrict__ dq_acc,    // [T, H, D]
+                                                   float* __restrict__ dqp_acc) { // [T, Hp, D]
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= Hp * T) return;
+  const int p = static_cast<int>(i / T);
+  const int64_t t = i % T;
+  int lo = 0, hi = B;  // the last sequence b with cu[b] <= t
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (__ldg(cu + mid) <= t) lo = mid;
+    else hi = mid;
+  }
+  const int own = static_cast<int>(t - __ldg(cu + lo)) / bwd::kBlk;
+  const int32_t* row = block_idx + i * K;
+  bool found = false;
+  for (int k = 0; k < K; ++k) found |= __ldg(row + k) == own;
+  if (found) return;
+  const int m = H / Hp;
+  float4* q4 = reinterpret_cast<float4*>(dq_acc + (t * H + static_cast<int64_t>(p) * m) * D);
+  for (int j = 0; j < m * D / 4; ++j) q4[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+  float4* p4 = reinterpret_cast<float4*>(dqp_acc + (t * Hp + p) * D);
+  for (int j = 0; j < D / 4; ++j) p4[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
 // FLASHMSA_BACKWARD_PATH=mma keeps the mma.sync attn_bwd_kernel for the shapes that otherwise
 // take the wgmma kernel (A/B timing, and a fallback); =wgmma makes it an error when the wgmma
 // kernel does not take the problem (tests); read per call. Any other value, or none: the default
@@ -433,7 +480,7 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
                  const float* lse_s, void* dq_acc, void* dqp_acc,
                  void* dk_acc, void* dv_acc, void* dkp_acc, const float* fx, const float* row_fx,
                  float* kl_part, bool main_owned, bool kl_owned, int nseg, bool fold, int token_rows,
-                 int n_chunks, const int32_t* chunk_bounds, bool dkp_per_head) {
+                 int n_chunks, const int32_t* chunk_bounds, bool dkp_per_head, const int32_t* own_end) {
   if (dkp_per_head && !fold)
     throw Error("flashmsa: fused_backward: internal error: per-head dkp partials planned without the folded kernel");
   const auto* q = static_cast<const bf16*>(p.q);
@@ -495,13 +542,24 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
           fw.sweep_groups = shared_kv || fw.wave_ctas > 0 ? p.Hp : n_chunks > 0 ? chunk_groups(p.Hp) : sweep_groups(p.Hp);
           fw.n_chunks = n_chunks;
           fw.chunk_bounds = chunk_bounds;
-          const dim3 grid(static_cast<unsigned>(ix.NB) * fw.sweep_groups * std::max(n_chunks, 1),
-                          p.Hp / fw.sweep_groups);
-          kernel<<<grid, bwd::WgBwd::kThreads, smem, stream>>>(
-              q, k, v, static_cast<const bf16*>(p.d_o), p.lse, di, ix, p.H, p.Hkv, p.Hp, p.scale,
-              static_cast<float*>(dq_acc), static_cast<bf16*>(p.dk), static_cast<bf16*>(p.dv), fw, fx, dk_acc,
-              dv_acc, q_rows_map, do_rows_map);
-          FLASHMSA_CHECK_LAUNCH();
+          fw.own_end = own_end;
+          auto go = [&](int chunks) {
+            const dim3 grid(static_cast<unsigned>(ix.NB) * fw.sweep_groups * std::max(chunks, 1),
+                            p.Hp / fw.sweep_groups);
+            kernel<<<grid, bwd::WgBwd::kThreads, smem, stream>>>(
+                q, k, v, static_cast<const bf16*>(p.d_o), p.lse, di, ix, p.H, p.Hkv, p.Hp, p.scale,
+                static_cast<float*>(dq_acc), static_cast<bf16*>(p.dk), static_cast<bf16*>(p.dv), fw, fx, dk_acc,
+                dv_acc, q_rows_map, do_rows_map);
+            FLASHMSA_CHECK_LAUNCH();
+          };
+          if (own_end && (shared_kv || det || token_rows == 0))
+            throw Error("flashmsa: fused_backward: internal error: the own-block pass planned for a form without it");
+          if (own_end) {  // the own-block pass first (stream order puts its stores before every add)
+            fw.own_pass = 1;
+            go(1);
+            fw.own_pass = 0;
+          }
+          go(n_chunks);
         };
         if (shared_kv) {
           if (det) launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, true, true>);
@@ -519,9 +577,9 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
     }
     // The token-row accumulators (permuted fp32, or int32 with DET) exist for the wgmma kernel only;
     // wgmma_kv_applies reads FLASHMSA_BACKWARD_PATH again above, so the plan is checked, not assumed.
-    if (token_rows > 0 || dkp_per_head)
-      throw Error("flashmsa: fused_backward: internal error: token-row or per-head dkp accumulators planned for the "
-                  "wgmma kernel, which did not run");
+    if (token_rows > 0 || dkp_per_head || own_end)
+      throw Error("flashmsa: fused_backward: internal error: token-row or per-head dkp accumulators or the own-block "
+                  "pass planned for the wgmma kernel, which did not run");
     constexpr int smem = bwd::attn_smem_bytes<D>() + bwd::fold_smem_bytes<D>();
     static_assert(smem <= 227 * 1024, "the folded backward must fit in one SM's shared memory");
     if (dq_acc) launch_attn(bwd::attn_bwd_kernel<D, true, true>, smem, fa);
@@ -682,6 +740,11 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
                            ? static_cast<int>((T + chunk_tokens - 1) / chunk_tokens)
                            : 0;
   const bool dkv_in_acc = !main_owned || n_chunks > 0;
+  // The own-block pass (FoldArgs::own_pass; fast mode with token chunks): the first contribution to
+  // each dq / dqp row is stored, so those 2.1 + 0.13 GB at m3/64k are not zeroed first.
+  // FLASHMSA_BWD_OWN_PASS=0: zeroed and reduce-added as before (A/B timing; read per call).
+  const bool own_split = n_chunks > 0 && !det && p.block_idx != nullptr && !p.all_blocks &&
+                         !env_is("FLASHMSA_BWD_OWN_PASS", "0");
   // Deterministic dkp on the wgmma kernel without token chunks: one fp32 partial per proxy head
   // ([T, Hp, Dp]; every row added by one CTA, in a fixed order: FoldArgs::dkp_per_head), summed over
   // the R = Hp / Hpk heads of a key head at the end, instead of int64 fixed-point REDs into [T, Hpk, Dp]:
@@ -707,9 +770,10 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   reserve_selection_lists(sel, p, ws, stream);  // its scratch: over the accumulators, below
   const size_t o_di = ws.add(T * p.H * sizeof(float));
   const size_t o_lse_s = ws.add(static_cast<size_t>(p.Hp) * T * sizeof(float));
-  const int64_t n_kl_part = std::max<int64_t>(nkeys, 1) * std::max(n_chunks, 1);
+  const int64_t n_kl_part = std::max<int64_t>(nkeys, 1) * (std::max(n_chunks, 1) + (own_split ? 1 : 0));
   const size_t o_kl_part = ws.add(n_kl_part * sizeof(float));
   const size_t o_chunk_bounds = n_chunks > 0 ? ws.add(nkeys * (n_chunks + 1) * sizeof(int32_t)) : 0;
+  const size_t o_own_end = own_split ? ws.add(nkeys * sizeof(int32_t)) : 0;
   const int64_t n_dq = T * p.H * p.D, n_dqp = T * p.Hp * p.Dp;
   const int64_t n_dk = T * p.Hkv * p.D, n_dkp = T * p.Hpk * p.Dp, n_dkp_acc = T * dkp_rows * p.Dp;
   // The side accumulators (dqp, the non-owned dk / dv, dkp) go into the caller's dq buffer while
@@ -769,6 +833,10 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
                                                                static_cast<int64_t>(chunk_tokens) * K,
                                                                ws.at<int32_t>(o_chunk_bounds));
     FLASHMSA_CHECK_LAUNCH();
+    if (own_split) {
+      own_bounds_kernel<<<grid_for(nkeys, 256), 256, 0, stream>>>(ix, nkeys, ws.at<int32_t>(o_own_end));
+      FLASHMSA_CHECK_LAUNCH();
+    }
     // Empty chunks write no KL share.
     FLASHMSA_CUDA_CHECK(cudaMemsetAsync(ws.at<float>(o_kl_part), 0, n_kl_part * sizeof(float), stream));
   }
@@ -782,11 +850,22 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   const bool fork_side = !env_is("FLASHMSA_BWD_SIDE_STREAM", "0") && helpers_usable(stream, device, 1);
   StreamFork fork(stream, device, fork_side ? 1 : 0);
   const cudaStream_t side = fork_side ? fork[0] : stream;
-  FLASHMSA_CUDA_CHECK(cudaMemsetAsync(ws.at<void>(o_acc_begin), 0, o_acc_end - o_acc_begin, side));
-  if (side_bytes > 0) FLASHMSA_CUDA_CHECK(cudaMemsetAsync(p.dq, 0, side_bytes, side));
   auto acc_ptr = [&](const AccAt& a) -> void* {
     return a.in_dq ? static_cast<void*>(static_cast<unsigned char*>(p.dq) + a.offset) : ws.at<void>(a.offset);
   };
+  if (own_split) {  // every accumulator but dq's and dqp's (the own-block pass writes those first)
+    if (dkv_in_acc) {
+      FLASHMSA_CUDA_CHECK(cudaMemsetAsync(acc_ptr(at_dk), 0, n_dk * acc_elem, side));
+      FLASHMSA_CUDA_CHECK(cudaMemsetAsync(acc_ptr(at_dv), 0, n_dk * acc_elem, side));
+    }
+    if (dkp_in_acc) FLASHMSA_CUDA_CHECK(cudaMemsetAsync(acc_ptr(at_dkp), 0, n_dkp_acc * dkp_elem, side));
+    zero_rows_without_own_block_kernel<<<grid_for(p.Hp * T, 256, INT_MAX), 256, 0, side>>>(
+        p.block_idx, p.cu_seqlens, p.B, T, p.Hp, K, p.H, p.D, ws.at<float>(o_dq), static_cast<float*>(acc_ptr(at_dqp)));
+    FLASHMSA_CHECK_LAUNCH();
+  } else {
+    FLASHMSA_CUDA_CHECK(cudaMemsetAsync(ws.at<void>(o_acc_begin), 0, o_acc_end - o_acc_begin, side));
+    if (side_bytes > 0) FLASHMSA_CUDA_CHECK(cudaMemsetAsync(p.dq, 0, side_bytes, side));
+  }
   const float* fx = nullptr;
   unsigned int* amax = det ? ws.at<unsigned int>(o_amax) : nullptr;
   if (det) {
@@ -843,7 +922,8 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
     constexpr int D = decltype(tag)::value;
     run_kernels<D>(p, stream, ix, ws.at<float>(o_di), ws.at<float>(o_lse_s), dq_acc, dqp_acc, dk_acc, dv_acc,
                    dkp_acc, fx, row_fx, ws.at<float>(o_kl_part), main_owned, kl_owned, nseg, fold, token_rows,
-                   n_chunks, n_chunks > 0 ? ws.at<int32_t>(o_chunk_bounds) : nullptr, dkp_per_head);
+                   n_chunks, n_chunks > 0 ? ws.at<int32_t>(o_chunk_bounds) : nullptr, dkp_per_head,
+                   own_split ? ws.at<int32_t>(o_own_end) : nullptr);
   };
   if (p.D == 64) run(std::integral_constant<int, 64>{});
   else run(std::integral_constant<int, 128>{});
