@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The next device session's calls (as of the forty-second session).
+# The next device session's calls (as of the forty-third session).
 #   bash scripts/gpu_next.sh          a full record on main's build (the GPU suite, the 47-test memcheck,
 #                                     racecheck of the mma.sync paths, the PyTorch CUDA tests, the main job, the
 #                                     scale runs, the benchmark over every config). Build first:
@@ -14,11 +14,13 @@
 #                                     e.g. with
 #     bash scripts/build_variants.sh ab21 main=main x=exp/some-branch:tests
 #     and carry ["ab21"]: AB_DIR=ab21 TEST_FILTER='CudaBackward.*:CudaGraph.*' bash scripts/gpu_next.sh ab
-# Nothing is prepared (forty-second session): the det-dkp-partials patch landed (217633b, the record),
-# the counting sort, the fast-mode partials and dkp-both-halves measured no gain and were removed
-# (perf-notes). The record's calls, as run on one warm machine (carry ["scratch-gpu"], built by
-# build_gpu_bundle.sh): STAGES=tests (~3 min), then STAGES="scale bench" BENCH_TIMEOUT=250 (~4.5 min),
-# then STAGES="main python racecheck_wgmma sanitizer" (~4 min), then STAGES=racecheck.
+# Next (forty-third session): a full H200 record of main, which now has the backward's own-block pass
+# (measured on an H100 only: m3/64k step -1.0 ms; the 217633b record is H200's). Not yet run on it: the
+# whole GPU suite (CudaBackward.* / CudaWarmup.* / graph / workspace ran, 56 tests), racecheck of a
+# chunked step (e.g. FLASHMSA_BWD_CHUNK=256 on the 640-token racecheck_wgmma runs). The record's calls, as
+# run on one warm machine (carry ["scratch-gpu"], built by build_gpu_bundle.sh): STAGES=tests (~3 min),
+# then STAGES="scale bench" BENCH_TIMEOUT=250 (~4.5 min), then STAGES="main python racecheck_wgmma
+# sanitizer" (~4 min), then STAGES=racecheck.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-record}
