@@ -16,7 +16,7 @@
 #     and carry ["ab21"]: AB_DIR=ab21 TEST_FILTER='CudaBackward.*:CudaGraph.*' bash scripts/gpu_next.sh ab
 # Next (forty-third session): a full H200 record of main, which now has the backward's own-block pass
 # (measured on an H100 only: m3/64k step -1.0 ms; the 217633b record is H200's). Not yet run on it: the
-# whole GPU suite (CudaBackward.* / CudaWarmup.* / graph / workspace ran, 56 tests), racecheck of a
+# whole GPU suite (only CudaBackward.*, CudaWarmup.*, CudaGraph.* and CudaWorkspace.* ran), racecheck of a
 # chunked step (e.g. FLASHMSA_BWD_CHUNK=256 on the 640-token racecheck_wgmma runs). The record's calls, as
 # run on one warm machine (carry ["scratch-gpu"], built by build_gpu_bundle.sh): STAGES=tests (~3 min),
 # then STAGES="scale bench" BENCH_TIMEOUT=250 (~4.5 min), then STAGES="main python racecheck_wgmma

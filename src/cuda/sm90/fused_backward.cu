@@ -316,6 +316,16 @@ int chunk_groups(int Hp) {
   return n >= 1 && n <= Hp && Hp % n == 0 ? n : 1;
 }
 
+// The first position in vals[lo, hi) (one list: ascending) whose value t K + slot is >= key.
+__device__ __forceinline__ int first_entry_from(const int32_t* __restrict__ vals, int lo, int hi, int64_t key) {
+  while (lo < hi) {
+    const int mid = lo + (hi - lo) / 2;
+    if (vals[mid] < key) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
 // bounds[(list) (nc + 1) + c] = the first entry of list (p NB + g) whose token is >= c chunk
 // (lower bound: val = t K + slot); c = nc: the list's end.
 __global__ void chunk_bounds_kernel(const int32_t* __restrict__ seg_start,  // [n_lists + 1]
@@ -325,14 +335,7 @@ __global__ void chunk_bounds_kernel(const int32_t* __restrict__ seg_start,  // [
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= n_lists * (nc + 1)) return;
   const int64_t list = i / (nc + 1);
-  const int64_t key = (i % (nc + 1)) * chunk_vals;
-  int lo = seg_start[list], hi = seg_start[list + 1];
-  while (lo < hi) {
-    const int mid = lo + (hi - lo) / 2;
-    if (vals[mid] < key) lo = mid + 1;
-    else hi = mid;
-  }
-  bounds[i] = lo;
+  bounds[i] = first_entry_from(vals, seg_start[list], seg_start[list + 1], (i % (nc + 1)) * chunk_vals);
 }
 
 // own_end[list] = the end of list (p NB + g)'s own entries: the first whose token lies past block g
@@ -341,14 +344,7 @@ __global__ void own_bounds_kernel(bwd::Index ix, int64_t n_lists, int32_t* __res
   const int64_t list = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (list >= n_lists) return;
   const bwd::BlockCtx bc = bwd::block_ctx(ix, static_cast<int>(list / ix.NB), static_cast<int>(list % ix.NB));
-  const int64_t key = (bc.seq_start + bc.key0 + bwd::kBlk) * ix.K;
-  int lo = bc.begin, hi = bc.end;
-  while (lo < hi) {
-    const int mid = lo + (hi - lo) / 2;
-    if (ix.vals[mid] < key) lo = mid + 1;
-    else hi = mid;
-  }
-  own_end[list] = lo;
+  own_end[list] = first_entry_from(ix.vals, bc.begin, bc.end, (bc.seq_start + bc.key0 + bwd::kBlk) * ix.K);
 }
 
 // The own-block pass stores the dq / dqp rows of every token in its own block's list; the rows of a
