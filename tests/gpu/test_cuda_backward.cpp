@@ -774,7 +774,8 @@ TEST(CudaBackward, TokenChunksTokenRows) {
 // first STORED by its token's own-block CTA, so those accumulators are not zeroed; rows of tokens
 // whose selection leaves the own block out (here rows (p, t) with (t + p) % 3 == 0, and so some
 // all-padding rows) are zeroed by a kernel of their own. On a NaN-poisoned workspace a row that is
-// neither stored nor zeroed shows; FLASHMSA_BWD_OWN_PASS=0 (zeroed accumulators) must agree.
+// neither stored nor zeroed shows; FLASHMSA_BWD_OWN_PASS=1 proves the pass ran, and =0 (zeroed accumulators)
+// must agree.
 void check_own_pass(const Shape& s, uint64_t seed) {
   Setup st;
   make_setup(st, s, seed, true, 0.7f, [&](Setup& x) {
@@ -795,7 +796,17 @@ void check_own_pass(const Shape& s, uint64_t seed) {
   gputest::PoisonedWorkspace poison;
   for (const char* chunk : {"96", "1024"}) {
     gputest::ScopedEnv env("FLASHMSA_BWD_CHUNK", chunk);
-    compare(run_gpu(d, st, false), cpu, std::string("own pass, chunk ") + chunk);
+    {
+      gputest::ScopedEnv on("FLASHMSA_BWD_OWN_PASS", "1");  // an error unless the own pass runs
+      compare(run_gpu(d, st, false), cpu, std::string("own pass, chunk ") + chunk);
+      // Deterministic mode zeroes its int32 accumulators: the switch must refuse it by name.
+      try {
+        run_gpu(d, st, true);
+        ADD_FAILURE() << "FLASHMSA_BWD_OWN_PASS=1 accepted deterministic mode";
+      } catch (const flashmsa::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("FLASHMSA_BWD_OWN_PASS=1"), std::string::npos) << e.what();
+      }
+    }
     gputest::ScopedEnv off("FLASHMSA_BWD_OWN_PASS", "0");
     compare(run_gpu(d, st, false), cpu, std::string("zeroed accumulators, chunk ") + chunk);
   }

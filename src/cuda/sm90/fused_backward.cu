@@ -738,9 +738,14 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   const bool dkv_in_acc = !main_owned || n_chunks > 0;
   // The own-block pass (FoldArgs::own_pass; fast mode with token chunks): the first contribution to
   // each dq / dqp row is stored, so those 2.1 + 0.13 GB at m3/64k are not zeroed first.
-  // FLASHMSA_BWD_OWN_PASS=0: zeroed and reduce-added as before (A/B timing; read per call).
+  // FLASHMSA_BWD_OWN_PASS=0: zeroed and reduce-added as before (A/B timing); =1: an error when the
+  // pass does not apply (how tests prove it ran). Read per call.
   const bool own_split = n_chunks > 0 && !det && p.block_idx != nullptr && !p.all_blocks &&
                          !env_is("FLASHMSA_BWD_OWN_PASS", "0");
+  if (env_is("FLASHMSA_BWD_OWN_PASS", "1") && !own_split)
+    throw Error("flashmsa: fused_backward: FLASHMSA_BWD_OWN_PASS=1, but the own-block pass does not apply (argument "
+                "'deterministic': fast mode only; argument 'block_idx': a block selection, not the dense warm-up; "
+                "and token chunks: the token-row backward with more tokens than FLASHMSA_BWD_CHUNK)");
   // Deterministic dkp on the wgmma kernel without token chunks: one fp32 partial per proxy head
   // ([T, Hp, Dp]; every row added by one CTA, in a fixed order: FoldArgs::dkp_per_head), summed over
   // the R = Hp / Hpk heads of a key head at the end, instead of int64 fixed-point REDs into [T, Hpk, Dp]:
