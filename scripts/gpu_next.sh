@@ -14,13 +14,14 @@
 #                                     e.g. with
 #     bash scripts/build_variants.sh ab21 main=main x=exp/some-branch:tests
 #     and carry ["ab21"]: AB_DIR=ab21 TEST_FILTER='CudaBackward.*:CudaGraph.*' bash scripts/gpu_next.sh ab
-# Next (forty-third session): a full H200 record of main, which now has the backward's own-block pass
-# (measured on an H100 only: m3/64k step -1.0 ms; the 217633b record is H200's). Not yet run on it: the
-# whole GPU suite (only CudaBackward.*, CudaWarmup.*, CudaGraph.* and CudaWorkspace.* ran), racecheck of a
-# chunked step (e.g. FLASHMSA_BWD_CHUNK=256 on the 640-token racecheck_wgmma runs). The record's calls, as
-# run on one warm machine (carry ["scratch-gpu"], built by build_gpu_bundle.sh): STAGES=tests (~3 min),
-# then STAGES="scale bench" BENCH_TIMEOUT=250 (~4.5 min), then STAGES="main python racecheck_wgmma
-# sanitizer" (~4 min), then STAGES=racecheck.
+# Next (forty-fourth session): an H200 record of main (HEAD's device code = 85f66f5: the backward's
+# own-block pass). On an H100 it passed the whole GPU suite (117/117), memcheck (48 tests, OwnBlockPass
+# among them), racecheck_wgmma (also FLASHMSA_BWD_CHUNK=256 FLASHMSA_BWD_OWN_PASS=1), the PyTorch CUDA tests
+# and the main job (bench/results/h100_85f66f5_*); every call naming nvidia-h200 got an H100. So on the
+# H200 the figures are what is missing: STAGES="scale bench" BENCH_TIMEOUT=250 first (~4.5 min; carry
+# ["scratch-gpu"], built by build_gpu_bundle.sh), then STAGES=tests if time is left. A call that must
+# run on an H200 can check the card first and exit (as the forty-fourth session's probes did):
+#   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || exit 3; STAGES=... bash scripts/gpu_next.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-record}
