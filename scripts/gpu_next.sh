@@ -27,11 +27,6 @@
 #   AB_DIR=ab45 TEST_FILTER='SelectionIndex.*:CudaBackward.*:CudaForward.*:CudaGraph.*' \
 #     CONFIGS="m3_64k:--seqlen 65536;fm16k:--seqlen 16384 --heads 16 --kv-heads 2" bash scripts/gpu_next.sh ab
 # and the PyTorch CUDA tests on its _C.so (a fifth forward output); land it only if all pass.
-# Then the prepared dQ-bytes probe (wrong results by design: CHECK=0):
-#   bash scripts/build_probe_variants.sh ab45p docs/prepared/probe-dq16.patch \
-#     p0=src/cuda/sm90/backward_wgmma.cuh:FLASHMSA_PROBE_DQ16=0 h=src/cuda/sm90/backward_wgmma.cuh:FLASHMSA_PROBE_DQ16=1 \
-#     z=src/cuda/sm90/backward_wgmma.cuh:FLASHMSA_PROBE_DQ16=2
-#   AB_DIR=ab45p CHECK=0 CONFIGS="m3_64k:--seqlen 65536;m3_32k:--seqlen 32768" bash scripts/gpu_next.sh ab
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-record}
