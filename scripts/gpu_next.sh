@@ -24,6 +24,7 @@
 #   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || exit 3; STAGES=... bash scripts/gpu_next.sh
 # Then the prepared branch exp/index-reuse (never run on a GPU): its tests and an A/B against main,
 #   bash scripts/build_variants.sh ab45 main=main x=exp/index-reuse:tests     # carry ["ab45"]
+#   (ab45/ was built in the forty-fourth session: main 787bd5a, x 78df08c; rebuild if either moved)
 #   AB_DIR=ab45 TEST_FILTER='SelectionIndex.*:CudaBackward.*:CudaForward.*:CudaGraph.*' \
 #     CONFIGS="m3_64k:--seqlen 65536;fm16k:--seqlen 16384 --heads 16 --kv-heads 2" bash scripts/gpu_next.sh ab
 # and the PyTorch CUDA tests on its _C.so (a fifth forward output); land it only if all pass.
