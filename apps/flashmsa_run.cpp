@@ -40,7 +40,7 @@ struct Config {
       check_keys = 2;
   float kl_coeff = 1.f;
   bool deterministic = false, full_check = false, quiet = false, forward_kl = false, graph = false,
-       bitwise_reruns = false;
+       bitwise_reruns = false, index_reuse = true;
   uint64_t seed = 1234;
   std::string json;
 };
@@ -62,6 +62,8 @@ void usage() {
       "  --graph            also time the whole step captured once in a CUDA graph and replayed, and\n"
       "                     the step (and selection + forward) launched on one stream without\n"
       "                     synchronising between phases\n"
+      "  --no-index-reuse   CUDA: the forward and the backward each build their own selection index\n"
+      "                     (default: built once in the forward's phase, build_selection_index)\n"
       "Run:\n"
       "  --device auto|cpu|cuda (auto: cuda when an sm_90 GPU is present)\n"
       "  --iters N          timed repetitions (default 1 on CPU, 10 on CUDA; median reported)\n"
@@ -120,6 +122,7 @@ Config parse(int argc, char** argv) {
     else if (a == "--bitwise-reruns") c.bitwise_reruns = true;
     else if (a == "--forward-kl") c.forward_kl = true;
     else if (a == "--graph") c.graph = true;
+    else if (a == "--no-index-reuse") c.index_reuse = false;
     else if (a == "--quiet") c.quiet = true;
     else {
       std::fprintf(stderr, "flashmsa_run: unknown flag '%s' (see --help)\n", a.c_str());
@@ -484,6 +487,16 @@ int main(int argc, char** argv) {
   in.cu_seqlens_host = cu.data();
   Gradients g{bdq.view(), bdk.view(), bdv.view(), bdqp.view(), bdkp.view()};
   const bool sparse = opt.mode == Mode::sparse;
+  // The selection index built once per step, in the forward's phase, and read by the forward, its
+  // KL value and the backward (the CPU attention does not read it: not built there).
+  const bool reuse = cuda && sparse && c.index_reuse;
+  Buffer bsi(cuda, DType::int32, {reuse ? selection_index_size(in, opt) : 0});
+  bsi.poison();
+  if (reuse) in.selection_index = bsi.view();
+  auto sparse_forward = [&](const TensorView& kl_fwd, Stream stream) {
+    if (reuse) build_selection_index(in, bidx.view(), opt, bsi.view(), stream);
+    sparse_attention_forward(in, bidx.view(), opt, bo.view(), blse.view(), kl_fwd, stream);
+  };
 
   std::vector<double> t_sel, t_fwd, t_bwd;
   // --bitwise-reruns: a hash (FNV-1a over the bytes) of the gradients and KL value of each timed step.
@@ -504,16 +517,16 @@ int main(int argc, char** argv) {
       const double s = sparse ? time_ms(cuda, [&] { select_blocks(in, opt, bidx.view()); }) : 0.0;
       const double f = time_ms(cuda, [&] {
         const TensorView kl_fwd = c.forward_kl ? bkl.view() : TensorView();
-        if (sparse) sparse_attention_forward(in, bidx.view(), opt, bo.view(), blse.view(), kl_fwd);
+        if (sparse) sparse_forward(kl_fwd, nullptr);
         else dense_warmup_forward(in, opt, bo.view(), blse.view(), kl_fwd);
       });
-      ws_fwd = std::max(ws_fwd, meter.peak());
+      ws_fwd = std::max(ws_fwd, meter.peak() + bsi.bytes());
       meter.reset();
       const double b = time_ms(cuda, [&] {
         msa_backward(in, bidx.view(), bo.view(), blse.view(), bdo.view(), TensorView(), opt, g,
                      bkl.view());
       });
-      ws_bwd = std::max(ws_bwd, meter.peak());
+      ws_bwd = std::max(ws_bwd, meter.peak() + bsi.bytes());
       if (timed) {
         t_sel.push_back(s);
         t_fwd.push_back(f);
@@ -535,7 +548,7 @@ int main(int argc, char** argv) {
     auto launch_step = [&](bool with_backward) {
       if (sparse) select_blocks(in, opt, bidx.view(), gs);
       const TensorView kl_fwd = c.forward_kl ? bkl.view() : TensorView();
-      if (sparse) sparse_attention_forward(in, bidx.view(), opt, bo.view(), blse.view(), kl_fwd, gs);
+      if (sparse) sparse_forward(kl_fwd, gs);
       else dense_warmup_forward(in, opt, bo.view(), blse.view(), kl_fwd, gs);
       if (with_backward)
         msa_backward(in, bidx.view(), bo.view(), blse.view(), bdo.view(), TensorView(), opt, g, bkl.view(), gs);
@@ -686,7 +699,7 @@ int main(int argc, char** argv) {
     Buffer cdq(false, dtype, {T, c.H, c.D}), cdk(false, dtype, {T, c.Hkv, c.D}),
         cdv(false, dtype, {T, c.Hkv, c.Dv}), cdqp(false, dtype, {T, c.Hp, c.Dp}),
         cdkp(false, dtype, {T, c.Hpk, c.Dp});
-    AttentionInputs ci{cq.view(), ck.view(), cv.view(), cqp.view(), ckp.view(), ccu.view(), nullptr};
+    AttentionInputs ci{cq.view(), ck.view(), cv.view(), cqp.view(), ckp.view(), ccu.view(), nullptr, TensorView()};
     Gradients cg{cdq.view(), cdk.view(), cdv.view(), cdqp.view(), cdkp.view()};
     if (sparse) sparse_attention_forward(ci, cidx.view(), opt, co.view(), clse.view());
     else dense_warmup_forward(ci, opt, co.view(), clse.view());
@@ -740,8 +753,9 @@ int main(int argc, char** argv) {
                 100.0 * rows_padded / (double(T) * c.Hp), dist_sum / picks, 100.0 * recent / picks);
   if (cuda)
     std::printf("extra device memory (stream-ordered workspace peak): forward %.1f MB, backward "
-                "%.1f MB (q is %.1f MB)\n",
-                ws_fwd / 1e6, ws_bwd / 1e6, bq.bytes() / 1e6);
+                "%.1f MB (q is %.1f MB)%s\n",
+                ws_fwd / 1e6, ws_bwd / 1e6, bq.bytes() / 1e6,
+                reuse ? ", each with the step's selection index" : "");
   std::printf("%s\n", rep.summary().c_str());
   if (!full_summary.empty()) std::printf("%s\n", full_summary.c_str());
   if (!finite) std::printf("non-finite values in the outputs (unwritten or overflow)\n");
@@ -757,7 +771,8 @@ int main(int argc, char** argv) {
        << ", \"Hpk\": " << c.Hpk << ", \"D\": " << c.D << ", \"Dv\": " << c.Dv
        << ", \"Dp\": " << c.Dp << ", \"K\": " << c.topk << ", \"BLK\": " << c.block
        << ", \"mode\": \"" << c.mode << "\", \"dtype\": \"" << c.dtype << "\""
-       << ", \"forward_kl\": " << (c.forward_kl ? "true" : "false") << ", \"iters\": " << c.iters << ", \"ms_select\": " << ms_sel << ", \"ms_forward\": " << ms_fwd
+       << ", \"forward_kl\": " << (c.forward_kl ? "true" : "false")
+       << ", \"index_reuse\": " << (reuse ? "true" : "false") << ", \"iters\": " << c.iters << ", \"ms_select\": " << ms_sel << ", \"ms_forward\": " << ms_fwd
        << ", \"ms_backward\": " << ms_bwd << ", \"ms_step_graph\": " << (t_graph.empty() ? 0.0 : median(t_graph))
        << ", \"ms_step_stream\": " << (t_stream.empty() ? 0.0 : median(t_stream))
        << ", \"ms_select_forward_stream\": " << (t_sel_fwd.empty() ? 0.0 : median(t_sel_fwd))

@@ -126,10 +126,10 @@ def flashmsa_step(q, k, v, qp, kp, cu, cu_host, K, BLK, d_o, mode="sparse", kl_o
         return torch.ops.flashmsa.forward(q, k, v, qp, kp, cu, cu_host, **args, kl_out=kl_out)
 
     def step():
-        o, lse, idx, kl = fwd()
+        o, lse, idx, kl, index = fwd()
         g = torch.ones((), device=q.device, dtype=torch.float32)
         grads = torch.ops.flashmsa.backward(q, k, v, qp, kp, cu, cu_host, idx, o, lse, d_o, g, **args,
-                                            kl_out=kl_out)
+                                            kl_out=kl_out, selection_index=index)
         return kl, grads
 
     return fwd, step
@@ -269,7 +269,7 @@ def main():
             cu_host = cu.cpu()
             run = {"config": name, "S": S, "H": H, "Hkv": Hkv, "Hp": Hp, "Hpk": Hpk, "D": D, "K": K, "BLK": BLK}
             fwd, step = flashmsa_step(q, k, v, qp, kp, cu, cu_host, K, BLK, d_o)
-            o, lse, idx, kl = fwd()
+            o, lse, idx, kl, _index = fwd()
             sel = sel_per_head(idx, S, BLK)
             fl = flops(cfg, S, sel)
             run["sel_per_head"] = sel

@@ -8,6 +8,7 @@
 
 #include "flashmsa/flashmsa.h"
 #include "params.h"
+#include "selection_index_layout.h"
 
 namespace flashmsa {
 
@@ -254,7 +255,8 @@ void check_forward_outputs(const TensorView& o, const TensorView& lse, const Ten
   check_scalar("kl", kl, in.q.device, in.q.device_index);
   const NamedTensor outputs[] = {{"o", &o}, {"lse", &lse}, {"kl", &kl}};
   const NamedTensor inputs[] = {{"q", &in.q},   {"k", &in.k}, {"v", &in.v}, {"qp", &in.qp},
-                                {"kp", &in.kp}, {"cu_seqlens", &in.cu_seqlens}, {"block_idx", &block_idx}};
+                                {"kp", &in.kp}, {"cu_seqlens", &in.cu_seqlens}, {"block_idx", &block_idx},
+                                {"selection_index", &in.selection_index}};
   reject_overlaps(outputs, inputs);
   p.o = o.data;
   p.lse = static_cast<float*>(lse.data);
@@ -280,7 +282,8 @@ void check_backward_args(const TensorView& o, const TensorView& lse, const Tenso
   const NamedTensor outputs[] = {{"dq", &g.dq}, {"dk", &g.dk}, {"dv", &g.dv}, {"dqp", &g.dqp}, {"dkp", &g.dkp}, {"kl", &kl}};
   const NamedTensor inputs[] = {{"q", &in.q},   {"k", &in.k},     {"v", &in.v},     {"qp", &in.qp},
                                 {"kp", &in.kp}, {"o", &o},        {"lse", &lse},    {"d_o", &d_o},
-                                {"kl_grad", &kl_grad}, {"cu_seqlens", &in.cu_seqlens}, {"block_idx", &block_idx}};
+                                {"kl_grad", &kl_grad}, {"cu_seqlens", &in.cu_seqlens}, {"block_idx", &block_idx},
+                                {"selection_index", &in.selection_index}};
   reject_overlaps(outputs, inputs);
   p.o = o.data;
   p.lse = static_cast<float*>(lse.data);
@@ -292,6 +295,28 @@ void check_backward_args(const TensorView& o, const TensorView& lse, const Tenso
   p.dqp = g.dqp.data;
   p.dkp = g.dkp.data;
   p.kl = kl.defined() ? static_cast<float*>(kl.data) : nullptr;
+}
+
+int64_t index_size(const MsaParams& p) {
+  return selection_index_layout(p.T, p.B, p.Hp, p.top_k, p.block_size).size;
+}
+
+// The caller's index as an input of the sparse forward / backward (sets p.selection_index).
+void check_selection_index(const AttentionInputs& in, MsaParams& p) {
+  if (!in.selection_index.defined()) return;
+  check_tensor("selection_index", in.selection_index, {index_size(p)}, DType::int32, in.q.device,
+               in.q.device_index);
+  p.selection_index = static_cast<const int32_t*>(in.selection_index.data);
+}
+
+// The index as build_selection_index's output: shape, and no overlap with what the build reads.
+void check_index_output(const TensorView& index, const MsaParams& p, const AttentionInputs& in,
+                        const TensorView& block_idx) {
+  check_tensor("selection_index", index, {index_size(p)}, DType::int32, in.q.device, in.q.device_index);
+  const NamedTensor outputs[] = {{"selection_index", &index}};
+  const NamedTensor inputs[] = {{"q", &in.q},   {"k", &in.k}, {"v", &in.v}, {"qp", &in.qp},
+                                {"kp", &in.kp}, {"cu_seqlens", &in.cu_seqlens}, {"block_idx", &block_idx}};
+  reject_overlaps(outputs, inputs);
 }
 
 }  // namespace
@@ -312,6 +337,7 @@ void sparse_attention_forward(const AttentionInputs& in, const TensorView& block
                               Stream stream) {
   MsaParams p = validate_inputs(in, opt);
   check_block_idx(block_idx, p, in);
+  check_selection_index(in, p);
   check_forward_outputs(o, lse, kl, p, in, block_idx);
   std::vector<int32_t> cu_host;
   validate_cu_seqlens(in, p, cu_host, stream);
@@ -325,12 +351,30 @@ void fused_backward(const AttentionInputs& in, const TensorView& block_idx, cons
                     const Options& opt, Gradients grads, TensorView kl, Stream stream) {
   MsaParams p = validate_inputs(in, opt);
   check_block_idx(block_idx, p, in);
+  check_selection_index(in, p);
   check_backward_args(o, lse, d_o, kl_grad, grads, kl, p, in, block_idx);
   std::vector<int32_t> cu_host;
   validate_cu_seqlens(in, p, cu_host, stream);
   p.block_idx = static_cast<int32_t*>(block_idx.data);
   if (on_cuda(in)) cuda::fused_backward(p, stream);
   else cpu::fused_backward(p);
+}
+
+int64_t selection_index_size(const AttentionInputs& in, const Options& opt) {
+  return index_size(validate_inputs(in, opt));
+}
+
+void build_selection_index(const AttentionInputs& in, const TensorView& block_idx, const Options& opt,
+                           TensorView selection_index, Stream stream) {
+  MsaParams p = validate_inputs(in, opt);
+  check_block_idx(block_idx, p, in);
+  check_index_output(selection_index, p, in, block_idx);
+  std::vector<int32_t> cu_host;
+  validate_cu_seqlens(in, p, cu_host, stream);
+  p.block_idx = static_cast<int32_t*>(block_idx.data);
+  auto* index = static_cast<int32_t*>(selection_index.data);
+  if (on_cuda(in)) cuda::build_selection_index(p, index, stream);
+  else cpu::build_selection_index(p, index);
 }
 
 void dense_warmup_forward(const AttentionInputs& in, const Options& opt, TensorView o,
@@ -365,12 +409,15 @@ void msa_forward(const AttentionInputs& in, const Options& opt, TensorView block
   MsaParams p = validate_inputs(in, opt);
   check_block_idx(block_idx, p, in);
   check_forward_outputs(o, lse, kl, p, in, block_idx);
+  const bool with_index = in.selection_index.defined();
+  if (with_index) check_index_output(in.selection_index, p, in, block_idx);
   std::vector<int32_t> cu_host;
   validate_cu_seqlens(in, p, cu_host, stream);
   if (on_cuda(in)) cuda::check_supported(p, "sparse_attention_forward");
   AttentionInputs with_host = in;
   with_host.cu_seqlens_host = p.cu_seqlens_host;
   select_blocks(with_host, opt, block_idx, stream);
+  if (with_index) build_selection_index(with_host, block_idx, opt, in.selection_index, stream);
   sparse_attention_forward(with_host, block_idx, opt, o, lse, kl, stream);
 }
 

@@ -23,6 +23,7 @@ void sparse_attention_forward(const MsaParams&, void*) { unavailable(); }
 void fused_backward(const MsaParams&, void*) { unavailable(); }
 void dense_warmup_forward(const MsaParams&, void*) { unavailable(); }
 void dense_warmup_backward(const MsaParams&, void*) { unavailable(); }
+void build_selection_index(const MsaParams&, int32_t*, void*) { unavailable(); }
 bool device_available() { return false; }
 void copy_to_host(void*, const void*, int64_t, int, void*) { unavailable(); }
 void check_supported(const MsaParams&, const char*) { unavailable(); }

@@ -38,6 +38,9 @@ struct MsaParams {
   // ---- selection ----
   int32_t* block_idx = nullptr;  // [Hp, T, K]; written by select, read by forward/backward
   bool all_blocks = false;       // block_idx is the dense warm-up's every-visible-block selection
+  // The caller's prebuilt inverted index of block_idx (selection_index_layout.h), or nullptr: the
+  // CUDA forward and backward then build their own. The CPU attention does not read it.
+  const int32_t* selection_index = nullptr;  // [selection_index_layout(...).size]
   // ---- forward outputs / backward inputs ----
   void* o = nullptr;      // [T, H, Dv]
   float* lse = nullptr;   // [H, T]
@@ -65,6 +68,7 @@ void sparse_attention_forward(const MsaParams& p);
 void fused_backward(const MsaParams& p);
 void dense_warmup_forward(const MsaParams& p);
 void dense_warmup_backward(const MsaParams& p);
+void build_selection_index(const MsaParams& p, int32_t* index);  // index [layout size]
 }  // namespace cpu
 
 namespace cuda {
@@ -73,6 +77,7 @@ void sparse_attention_forward(const MsaParams& p, void* stream);
 void fused_backward(const MsaParams& p, void* stream);
 void dense_warmup_forward(const MsaParams& p, void* stream);
 void dense_warmup_backward(const MsaParams& p, void* stream);
+void build_selection_index(const MsaParams& p, int32_t* index, void* stream);
 bool device_available();
 // Device-to-host copy ordered on `stream`, then a wait for it (used to validate cu_seqlens).
 void copy_to_host(void* dst, const void* src, int64_t bytes, int device_index, void* stream);

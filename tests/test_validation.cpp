@@ -728,4 +728,53 @@ TEST_F(BadInput, OverlappingForwardOutputs) {
   expect_rejected({Op::sparse_fwd, Op::msa_fwd}, "'o' overlaps input 'block_idx'");
 }
 
+// A caller's selection index: its size from shapes (exactly), int32, and no overlap with what
+// the call writes or (for its build) reads; the warm-up does not read it.
+TEST_F(BadInput, SelectionIndex) {
+  const int64_t n = flashmsa::selection_index_size(in_, opt_);
+  HostTensor index(DType::int32, {n + 1});
+  const std::vector<Op> sparse_ops = {Op::sparse_fwd, Op::fused_bwd, Op::msa_fwd, Op::msa_bwd};
+  in_.selection_index = flashmsa::make_view(index.data(), DType::int32, {n - 1});
+  expect_rejected(sparse_ops, "'selection_index' has shape");
+  in_.selection_index = flashmsa::make_view(index.data(), DType::fp32, {n});
+  expect_rejected(sparse_ops, "'selection_index' has dtype");
+  in_.selection_index = flashmsa::make_view(o_.data(), DType::int32, {n});  // inside o
+  ASSERT_LE(n * 4, o_.numel() * flashmsa::dtype_size(c_.dtype)) << "the test wants the index inside o";
+  expect_rejected({Op::sparse_fwd, Op::msa_fwd}, "'o' overlaps input 'selection_index'");
+  in_.selection_index = flashmsa::make_view(dq_.data(), DType::int32, {n});  // inside dq
+  expect_rejected({Op::fused_bwd, Op::msa_bwd}, "'dq' overlaps input 'selection_index'");
+  // msa_forward builds it after selection writes block_idx: they may not share memory (block_idx
+  // inside the index's own buffer, so that nothing else can be the overlap found).
+  HostTensor shared(DType::int32, {n});
+  in_.selection_index = shared.view();
+  idx_v_ = flashmsa::make_view(shared.data(), DType::int32, {c_.heads.Hp, T_, c_.opt.top_k});
+  expect_rejected({Op::msa_fwd}, "'selection_index' overlaps input 'block_idx'");
+  idx_v_ = block_idx_.view();
+
+  // build_selection_index: the same checks on its output, before anything is written.
+  in_.selection_index = TensorView();
+  flashmsa::select_blocks(in_, opt_, idx_v_);
+  auto build_error = [&](const TensorView& out) -> std::string {
+    try {
+      flashmsa::build_selection_index(in_, idx_v_, opt_, out);
+    } catch (const flashmsa::Error& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  index.fill_bytes(kSentinel);
+  EXPECT_NE(build_error(flashmsa::make_view(index.data(), DType::int32, {n + 1})).find("'selection_index' has shape"),
+            std::string::npos);
+  EXPECT_NE(build_error(flashmsa::make_view(block_idx_.data(), DType::int32, {n})).find("'selection_index' overlaps"),
+            std::string::npos);
+  for (unsigned char b : index.bytes()) ASSERT_EQ(b, kSentinel) << "the index was written before the error";
+  EXPECT_EQ(build_error(flashmsa::make_view(index.data(), DType::int32, {n})), "no error");
+
+  // Built and given: every sparse op accepts it; a mis-sized one is not read by the warm-up.
+  in_.selection_index = flashmsa::make_view(index.data(), DType::int32, {n});
+  for (Op op : {Op::sparse_fwd, Op::fused_bwd, Op::msa_fwd, Op::msa_bwd}) EXPECT_NO_THROW(call(op)) << op_name(op);
+  in_.selection_index = flashmsa::make_view(index.data(), DType::int32, {n - 1});
+  for (Op op : {Op::warm_fwd, Op::warm_bwd}) EXPECT_NO_THROW(call(op)) << op_name(op);
+}
+
 }  // namespace

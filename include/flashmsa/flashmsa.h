@@ -80,6 +80,12 @@ struct AttentionInputs {
   // Optional host copy of cu_seqlens. The CUDA backend validates it on the host; without it
   // the CUDA backend copies cu_seqlens to the host once (a synchronisation).
   const int32_t* cu_seqlens_host = nullptr;
+  // Optional: the inverted selection index of the block_idx passed with these inputs, built by
+  // build_selection_index from that same block_idx (int32 [selection_index_size(in, opt)], on the
+  // inputs' device). The CUDA sparse forward, its KL value and the fused backward then read it
+  // instead of each building their own; nothing checks that it matches block_idx (that would cost
+  // the build it saves). The CPU attention and the dense warm-up do not read it.
+  TensorView selection_index;
 };
 
 // The gradients must not overlap each other, the KL output or any input (rejected): the CUDA
@@ -119,6 +125,15 @@ void fused_backward(const AttentionInputs& in, const TensorView& block_idx, cons
                     const Options& opt, Gradients grads, TensorView kl = TensorView(),
                     Stream stream = nullptr);
 
+// The inverted selection index, once per training step (msa_forward builds it when
+// in.selection_index is given): for each (proxy head, key block), the (token, slot) entries of
+// block_idx that chose it. Its size in int32 elements depends on shapes only (T, B, Hp, K and the
+// block size: about Hp T K), so a framework can allocate it before the data exist. The CPU
+// backend writes the same array as the CUDA one.
+int64_t selection_index_size(const AttentionInputs& in, const Options& opt);
+void build_selection_index(const AttentionInputs& in, const TensorView& block_idx, const Options& opt,
+                           TensorView selection_index, Stream stream = nullptr);
+
 // Dense warm-up mode: dense causal main attention and the proxy KL over all causal keys.
 void dense_warmup_forward(const AttentionInputs& in, const Options& opt, TensorView o,
                           TensorView lse, TensorView kl = TensorView(), Stream stream = nullptr);
@@ -127,7 +142,9 @@ void dense_warmup_backward(const AttentionInputs& in, const TensorView& o, const
                            Gradients grads, TensorView kl = TensorView(), Stream stream = nullptr);
 
 // Convenience: the whole step by opt.mode. Sparse: select_blocks + sparse_attention_forward
-// (block_idx is written); warm-up: dense_warmup_forward (block_idx may be left undefined).
+// (block_idx is written), with build_selection_index between them when in.selection_index is
+// given (it is written too; pass the same inputs to msa_backward); warm-up: dense_warmup_forward
+// (block_idx may be left undefined).
 void msa_forward(const AttentionInputs& in, const Options& opt, TensorView block_idx,
                  TensorView o, TensorView lse, TensorView kl = TensorView(),
                  Stream stream = nullptr);

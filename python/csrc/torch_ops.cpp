@@ -2,7 +2,8 @@
 //
 // The operators return fresh outputs and alias nothing; the one mutation is the backward's
 // optional kl_out (declared in its schema), which receives the kl_loss value when the forward was
-// asked not to form it. Autograd, fake tensors and torch.compile are all registered from Python
+// asked not to form it. The sparse forward also returns the step's selection index
+// (build_selection_index), which the backward takes back instead of building its own. Autograd, fake tensors and torch.compile are all registered from Python
 // (flashmsa/__init__.py) on top of these two schemas. One C++ function serves both devices: the
 // library dispatches on the views' device itself; here we only pick the stream and device guard.
 #include <ATen/ATen.h>
@@ -228,7 +229,7 @@ void check_kl_out(const std::optional<Tensor>& kl_out, const Tensor& q) {
               ", q is on ", q.device());
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> forward(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> forward(
     const Tensor& q,             // [T, H, D]
     const Tensor& k,             // [T, Hkv, D]
     const Tensor& v,             // [T, Hkv, Dv]
@@ -259,10 +260,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> forward(
   // path and holds 0.
   Tensor kl = kl_out ? at::zeros({}, in.q.options().dtype(at::kFloat))             // scalar
                      : at::empty({}, in.q.options().dtype(at::kFloat));
+  // [selection_index_size] int32 (sparse; its size depends on shapes only) or [0] (warm-up).
+  int64_t index_size = 0;
+  if (sparse)
+    run_on_device(in.q, [&](flashmsa::Stream) { index_size = flashmsa::selection_index_size(in.views, opt); });
+  Tensor selection_index = at::empty({index_size}, in.q.options().dtype(at::kInt));
   poison(o);
   poison(lse);
   poison(block_idx);
+  poison(selection_index);
   if (!kl_out) poison(kl);
+  if (sparse) in.views.selection_index = view_of(selection_index, "selection_index");
 
   run_on_device(in.q, [&](flashmsa::Stream stream) {
     flashmsa::msa_forward(in.views, opt,
@@ -270,7 +278,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> forward(
                           view_of(o, "o"), view_of(lse, "lse"),
                           kl_out ? flashmsa::TensorView() : view_of(kl, "kl"), stream);
   });
-  return {o, lse, block_idx, kl};
+  return {o, lse, block_idx, kl, selection_index};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward(
@@ -283,7 +291,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward(
     const Tensor& kl_grad,    // scalar (or [1]) fp32: upstream gradient of kl_loss
     int64_t block_size, int64_t top_k, int64_t local_blocks, double scale, double proxy_scale,
     double kl_coeff, c10::string_view mode, bool deterministic,
-    const std::optional<Tensor>& kl_out) {  // [1] or 0-dim fp32: receives the kl_loss value
+    const std::optional<Tensor>& kl_out,            // [1] or 0-dim fp32: receives the kl_loss value
+    const std::optional<Tensor>& selection_index) {  // the forward's, or absent: built again
   const flashmsa::Options opt = make_options(block_size, top_k, local_blocks, scale, proxy_scale,
                                              kl_coeff, mode, deterministic, !q.is_cuda());
   Inputs in = make_inputs(q, k, v, qp, kp, cu_seqlens, cu_seqlens_host);
@@ -297,6 +306,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward(
   Tensor o_c = prepare(o);
   Tensor lse_c = prepare(lse);
   Tensor idx_c = sparse ? prepare(block_idx) : block_idx;
+  Tensor index_c;
+  if (sparse && selection_index && selection_index->defined()) {
+    TORCH_CHECK(selection_index->scalar_type() == at::kInt,
+                "flashmsa: argument 'selection_index' must be int32, got ", selection_index->scalar_type());
+    index_c = prepare(*selection_index);
+    in.views.selection_index = view_of(index_c, "selection_index");
+  }
 
   Tensor dq = at::empty_like(in.q);    // [T, H, D]
   Tensor dk = at::empty_like(in.k);    // [T, Hkv, D]
@@ -331,13 +347,14 @@ TORCH_LIBRARY(flashmsa, m) {
       "forward(Tensor q, Tensor k, Tensor v, Tensor qp, Tensor kp, Tensor cu_seqlens, "
       "Tensor? cu_seqlens_host, int block_size, int top_k, int local_blocks, float scale, "
       "float proxy_scale, float kl_coeff, str attention_mode, bool deterministic, Tensor? kl_out=None) "
-      "-> (Tensor o, Tensor lse, Tensor block_idx, Tensor kl)");
+      "-> (Tensor o, Tensor lse, Tensor block_idx, Tensor kl, Tensor selection_index)");
   m.def(
       "backward(Tensor q, Tensor k, Tensor v, Tensor qp, Tensor kp, Tensor cu_seqlens, "
       "Tensor? cu_seqlens_host, Tensor block_idx, Tensor o, Tensor lse, Tensor d_o, "
       "Tensor kl_grad, int block_size, int top_k, int local_blocks, float scale, "
       "float proxy_scale, float kl_coeff, str attention_mode, bool deterministic, "
-      "Tensor(a!)? kl_out=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dqp, Tensor dkp)");
+      "Tensor(a!)? kl_out=None, Tensor? selection_index=None) "
+      "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dqp, Tensor dkp)");
   // Build facts for Python, as an op so no pybind module is needed.
   m.def("cuda_built() -> bool", &cuda_built);
 }

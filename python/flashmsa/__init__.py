@@ -54,6 +54,16 @@ class MSAOutput(NamedTuple):
 # Fake kernels: shapes and dtypes only, for FakeTensor / torch.compile / torch.export.
 
 
+def _selection_index_size(T, B, Hp, K, block_size):
+    """int32 elements of the forward's selection index: src/selection_index_layout.h's formula
+    (four arrays, each padded to 64 elements), from shapes only."""
+    def padded(n):
+        return (n + 63) // 64 * 64
+    nb_max = (T + B * (block_size - 1)) // block_size
+    return (padded(B + 1) + padded(torch.sym_max(nb_max, 1)) + padded(Hp * T * K)
+            + padded(Hp * nb_max + 1))
+
+
 @torch.library.register_fake("flashmsa::forward")
 def _forward_fake(q, k, v, qp, kp, cu_seqlens, cu_seqlens_host, block_size, top_k, local_blocks,
                   scale, proxy_scale, kl_coeff, attention_mode, deterministic, kl_out=None):
@@ -63,13 +73,16 @@ def _forward_fake(q, k, v, qp, kp, cu_seqlens, cu_seqlens_host, block_size, top_
     shape = (Hp, T, top_k) if attention_mode == "sparse" else (0,)
     block_idx = q.new_empty(shape, dtype=torch.int32)
     kl = q.new_empty((), dtype=torch.float32)
-    return o, lse, block_idx, kl
+    n = _selection_index_size(T, cu_seqlens.shape[0] - 1, Hp, top_k, block_size) \
+        if attention_mode == "sparse" else 0
+    selection_index = q.new_empty((n,), dtype=torch.int32)
+    return o, lse, block_idx, kl, selection_index
 
 
 @torch.library.register_fake("flashmsa::backward")
 def _backward_fake(q, k, v, qp, kp, cu_seqlens, cu_seqlens_host, block_idx, o, lse, d_o, kl_grad,
                    block_size, top_k, local_blocks, scale, proxy_scale, kl_coeff,
-                   attention_mode, deterministic, kl_out=None):
+                   attention_mode, deterministic, kl_out=None, selection_index=None):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format),
@@ -78,28 +91,30 @@ def _backward_fake(q, k, v, qp, kp, cu_seqlens, cu_seqlens_host, block_idx, o, l
 
 
 # ---------------------------------------------------------------------------------------------
-# Autograd: the forward op saves what the fused backward needs; lse and block_idx carry no
-# gradient. The KL gradient enters the backward as a tensor (no host synchronisation). kl_out, a
+# Autograd: the forward op saves what the fused backward needs (the selection index too, so the
+# backward does not build it again); lse, block_idx and the index carry no gradient. The KL gradient enters the backward as a tensor (no host synchronisation). kl_out, a
 # forward input that needs no gradient, is handed to the backward op, which writes the kl_loss
 # value into it (a mutation of a forward input in the backward, which torch.compile carries).
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, qp, kp, cu_seqlens, cu_seqlens_host, *options, kl_out) = inputs
-    o, lse, block_idx, kl = output
-    ctx.save_for_backward(q, k, v, qp, kp, cu_seqlens, cu_seqlens_host, block_idx, o, lse, kl_out)
+    o, lse, block_idx, kl, selection_index = output
+    ctx.save_for_backward(q, k, v, qp, kp, cu_seqlens, cu_seqlens_host, block_idx, o, lse, kl_out,
+                          selection_index)
     ctx.options = options
-    ctx.mark_non_differentiable(lse, block_idx)
+    ctx.mark_non_differentiable(lse, block_idx, selection_index)
 
 
-def _backward(ctx, d_o, d_lse, d_block_idx, d_kl):
-    q, k, v, qp, kp, cu_seqlens, cu_seqlens_host, block_idx, o, lse, kl_out = ctx.saved_tensors
+def _backward(ctx, d_o, d_lse, d_block_idx, d_kl, d_selection_index):
+    (q, k, v, qp, kp, cu_seqlens, cu_seqlens_host, block_idx, o, lse, kl_out,
+     selection_index) = ctx.saved_tensors
     if d_o is None:
         d_o = torch.zeros_like(o)
     if d_kl is None:
         d_kl = torch.zeros((), dtype=torch.float32, device=o.device)
     dq, dk, dv, dqp, dkp = _ops.backward(q, k, v, qp, kp, cu_seqlens, cu_seqlens_host, block_idx,
-                                         o, lse, d_o, d_kl, *ctx.options, kl_out)
+                                         o, lse, d_o, d_kl, *ctx.options, kl_out, selection_index)
     # No gradient for cu_seqlens, cu_seqlens_host, the options and kl_out.
     return (dq, dk, dv, dqp, dkp) + (None,) * (3 + len(ctx.options))
 
@@ -216,7 +231,7 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qp: torch.T
             _fail("argument 'kl_value_out' must not require grad (it receives a value to log)")
         backward_follows = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
         kl_out = kl_value_out if backward_follows else None
-    o, _lse, block_idx, kl = _ops.forward(
+    o, _lse, block_idx, kl, _index = _ops.forward(
         q, k, v, qp, kp, cu_dev, cu_host, int(block_size), int(top_k), int(local_blocks),
         float(scale) if scale is not None else 0.0,
         float(proxy_scale) if proxy_scale is not None else 0.0,

@@ -58,6 +58,12 @@ void dense_warmup_backward(const MsaParams& p, void* stream) {
   launch_dense_warmup_backward(p, as_stream(stream));
 }
 
+void build_selection_index(const MsaParams& p, int32_t* index, void* stream) {
+  check_supported(p, "build_selection_index");
+  DeviceGuard guard(p.device_index);
+  launch_build_selection_index(p, index, as_stream(stream));
+}
+
 bool device_available() {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {

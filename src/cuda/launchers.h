@@ -15,6 +15,7 @@ void launch_sparse_attention_forward(const MsaParams& p, cudaStream_t stream);  
 void launch_fused_backward(const MsaParams& p, cudaStream_t stream);             // sm90/fused_backward.cu
 void launch_dense_warmup_forward(const MsaParams& p, cudaStream_t stream);       // sm90/dense_warmup.cu
 void launch_dense_warmup_backward(const MsaParams& p, cudaStream_t stream);      // sm90/dense_warmup.cu
+void launch_build_selection_index(const MsaParams& p, int32_t* index, cudaStream_t stream);  // sm90/selection_index.cu
 // Dense causal attention forward (o, lse; no KL, no index), D = Dv = 128 only.
 void launch_dense_attention_forward(const MsaParams& p, cudaStream_t stream);    // sm90/dense_forward.cu
 

@@ -136,7 +136,9 @@ void upload(DeviceSide& d, const Setup& st) {
   d.kl = DeviceBuffer(4);
 }
 
-Grads run_gpu(DeviceSide& d, const Setup& st, bool deterministic) {
+// `index`: a caller's selection index for st.sel (build_selection_index), or none (the backward's own).
+Grads run_gpu(DeviceSide& d, const Setup& st, bool deterministic,
+              const flashmsa::TensorView& index = flashmsa::TensorView()) {
   const Shape& s = st.pr.s;
   const int64_t T = st.pr.T;
   for (DeviceBuffer* b : {&d.dq, &d.dk, &d.dv, &d.dqp, &d.dkp, &d.kl}) b->fill(gputest::kFloatPoison);
@@ -144,7 +146,9 @@ Grads run_gpu(DeviceSide& d, const Setup& st, bool deterministic) {
                                                     s, T, flashmsa::Device::cuda);
   flashmsa::Options opt = st.opt;
   opt.deterministic = deterministic;
-  flashmsa::fused_backward(st.pr.device_inputs(), gputest::dview(d.sel, DType::int32, {s.Hp, T, s.K}),
+  flashmsa::AttentionInputs in = st.pr.device_inputs();
+  in.selection_index = index;
+  flashmsa::fused_backward(in, gputest::dview(d.sel, DType::int32, {s.Hp, T, s.K}),
                            gputest::dview(d.o, DType::bf16, {T, s.H, s.D}),
                            gputest::dview(d.lse, DType::fp32, {s.H, T}),
                            gputest::dview(d.d_o, DType::bf16, {T, s.H, s.D}),
@@ -816,6 +820,114 @@ TEST(CudaBackward, OwnBlockPass) {
   GPUTEST_REQUIRE_DEVICE();
   check_own_pass(shape(64, 4, 4, 1, 128, 16, {2000, 333, 700}), 58);
   check_own_pass(shape(32, 4, 4, 4, 128, 5, {1500, 1}), 59);
+}
+
+// The sparse forward (o, lse, KL value) on the device copies of st, with a caller's index or none.
+struct ForwardOut {
+  std::vector<uint16_t> o;
+  std::vector<float> lse;
+  float kl = 0;
+};
+
+ForwardOut run_gpu_forward(DeviceSide& d, const Setup& st, bool deterministic, const flashmsa::TensorView& index) {
+  const Shape& s = st.pr.s;
+  const int64_t T = st.pr.T;
+  DeviceBuffer o(static_cast<size_t>(T * s.H * s.D) * 2), lse(static_cast<size_t>(s.H * T) * 4), kl(4);
+  for (DeviceBuffer* b : {&o, &lse, &kl}) b->fill(gputest::kFloatPoison);
+  flashmsa::Options opt = st.opt;
+  opt.deterministic = deterministic;
+  flashmsa::AttentionInputs in = st.pr.device_inputs();
+  in.selection_index = index;
+  flashmsa::sparse_attention_forward(in, gputest::dview(d.sel, DType::int32, {s.Hp, T, s.K}), opt,
+                                     gputest::dview(o, DType::bf16, {T, s.H, s.D}),
+                                     gputest::dview(lse, DType::fp32, {s.H, T}), gputest::dview(kl, DType::fp32, {1}));
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return {o.download<uint16_t>(), lse.download<float>(), kl.download<float>()[0]};
+}
+
+// The step's selection index built once (build_selection_index) and read by the forward, its KL
+// value and the backward instead of their own builds: the CUDA build equals the CPU backend's
+// bytewise (tests/test_selection_index.cpp checks that one against block_idx); deterministic
+// results equal their own builds' bitwise; the fast ones match the CPU (token chunks too); another
+// selection's index changes the results (so it is read); a mis-sized one is refused by name.
+void check_index_reuse(const Shape& s, uint64_t seed) {
+  Setup st;
+  make_setup(st, s, seed, true, 0.7f);
+  const Grads cpu = run_cpu(st);
+  float cpu_kl_fwd = std::nanf("");
+  {
+    std::vector<uint16_t> o(st.o.size());
+    std::vector<float> lse(st.lse.size());
+    flashmsa::sparse_attention_forward(st.pr.host_inputs(), flashmsa::make_view(st.sel.data(), DType::int32, {s.Hp, st.pr.T, s.K}),
+                                       st.opt, flashmsa::make_view(o.data(), DType::bf16, {st.pr.T, s.H, s.D}),
+                                       flashmsa::make_view(lse.data(), DType::fp32, {s.H, st.pr.T}),
+                                       flashmsa::make_view(&cpu_kl_fwd, DType::fp32, {1}));
+  }
+  DeviceSide d;
+  upload(d, st);
+  gputest::PoisonedWorkspace poison;  // NaN workspace: a buffer the prebuilt plans forget shows
+  const int64_t T = st.pr.T;
+  const int64_t n = flashmsa::selection_index_size(st.pr.host_inputs(), st.opt);
+  auto host_build = [&](std::vector<int32_t>& sel) {
+    std::vector<int32_t> index(n);
+    flashmsa::build_selection_index(st.pr.host_inputs(), flashmsa::make_view(sel.data(), DType::int32, {s.Hp, T, s.K}),
+                                    st.opt, flashmsa::make_view(index.data(), DType::int32, {n}));
+    return index;
+  };
+  const std::vector<int32_t> want = host_build(st.sel);
+  DeviceBuffer index(n * 4);
+  index.fill(gputest::kIntPoisonByte);
+  const flashmsa::TensorView iv = gputest::dview(index, DType::int32, {n});
+  flashmsa::build_selection_index(st.pr.device_inputs(), gputest::dview(d.sel, DType::int32, {s.Hp, T, s.K}), st.opt, iv);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<int32_t> got = index.download<int32_t>();
+  int64_t wrong = 0;
+  for (int64_t i = 0; i < n; ++i) wrong += got[i] != want[i];
+  EXPECT_EQ(wrong, 0) << "elements of the CUDA build differ from the CPU backend's, of " << n;
+
+  const Grads det_own = run_gpu(d, st, true), det_given = run_gpu(d, st, true, iv);
+  EXPECT_TRUE(det_given.raw == det_own.raw) << "deterministic gradients differ with the given index";
+  EXPECT_EQ(float_bits(det_given.kl), float_bits(det_own.kl));
+  const ForwardOut f_own = run_gpu_forward(d, st, true, {}), f_given = run_gpu_forward(d, st, true, iv);
+  EXPECT_TRUE(f_given.o == f_own.o) << "deterministic o differs with the given index";
+  EXPECT_TRUE(std::memcmp(f_given.lse.data(), f_own.lse.data(), f_own.lse.size() * 4) == 0) << "deterministic lse";
+  EXPECT_EQ(float_bits(f_given.kl), float_bits(f_own.kl)) << "deterministic forward KL value";
+
+  compare(run_gpu(d, st, false, iv), cpu, "fast, given index");
+  {
+    gputest::ScopedEnv chunk("FLASHMSA_BWD_CHUNK", "256");
+    compare(run_gpu(d, st, false, iv), cpu, "fast, given index, chunk 256");
+  }
+  const ForwardOut f = run_gpu_forward(d, st, false, iv);
+  const double e_o = gputest::rel_l2(gputest::bf16_to_doubles(f.o), gputest::bf16_to_doubles(st.o));
+  EXPECT_LT(e_o, 1e-2) << "fast o with the given index vs CPU";
+  double lse_err = 0;
+  for (size_t i = 0; i < f.lse.size(); ++i) lse_err = std::max(lse_err, std::fabs(double(f.lse[i]) - st.lse[i]));
+  EXPECT_LT(lse_err, 1e-2) << "fast lse with the given index vs CPU (max abs, NaN fails)";
+  EXPECT_LT(std::fabs(f.kl - cpu_kl_fwd), 1e-2 * std::fabs(cpu_kl_fwd)) << f.kl << " vs CPU " << cpu_kl_fwd;
+  std::printf("  given index: fast o rel L2 %.3e, lse max abs %.3e, kl %.6g (CPU %.6g)\n", e_o, lse_err, f.kl, cpu_kl_fwd);
+
+  std::mt19937_64 rng(seed + 99);
+  std::vector<int32_t> other = random_selection(st.pr, rng);
+  DeviceBuffer other_index(n * 4);
+  other_index.upload(host_build(other));
+  const flashmsa::TensorView ov = gputest::dview(other_index, DType::int32, {n});
+  EXPECT_FALSE(run_gpu(d, st, true, ov).raw == det_own.raw) << "another selection's index left the gradients as they were";
+  EXPECT_FALSE(run_gpu_forward(d, st, true, ov).o == f_own.o) << "another selection's index left o as it was";
+
+  try {
+    run_gpu(d, st, false, gputest::dview(index, DType::int32, {n - 1}));
+    ADD_FAILURE() << "a mis-sized selection index was accepted";
+  } catch (const flashmsa::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'selection_index'"), std::string::npos) << e.what();
+  }
+}
+
+TEST(CudaBackward, SelectionIndexReuse) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_index_reuse(shape(64, 4, 4, 1, 128, 16, {2000, 333, 700}), 61);  // token rows, chunks
+  check_index_reuse(shape(16, 2, 4, 1, 128, 16, {1500, 129}), 62);       // fm16k-like: shared kv
+  check_index_reuse(shape(8, 2, 2, 1, 64, 8, {900, 1}), 63);             // D = 64: the mma paths
 }
 
 // Heavy-tailed inputs for the token-row DET form's int32 dq: one key channel 30x the rest (an

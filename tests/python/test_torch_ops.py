@@ -185,14 +185,16 @@ def _op_args(device, dtype, cfg, opt, mode, requires_grad=True):
 def _opcheck(device, dtype, cfg, opt, mode):
     args = _op_args(device, dtype, cfg, opt, mode)
     torch.library.opcheck(torch.ops.flashmsa.forward.default, args)
-    o, lse, idx, kl = torch.ops.flashmsa.forward(*[a.detach() if isinstance(a, torch.Tensor)
-                                                   else a for a in args])
+    o, lse, idx, kl, index = torch.ops.flashmsa.forward(*[a.detach() if isinstance(a, torch.Tensor)
+                                                          else a for a in args])
     gen = torch.Generator().manual_seed(1)
     d_o = torch.randn(o.shape, generator=gen).to(device=device, dtype=dtype)
     kl_grad = torch.tensor(1.5, device=device)
     bargs = (*[a.detach() if isinstance(a, torch.Tensor) else a for a in args[:7]], idx, o, lse,
              d_o, kl_grad, *args[7:])
     torch.library.opcheck(torch.ops.flashmsa.backward.default, bargs)
+    # With the forward's selection index: the same gradients (the CPU backend does not read it).
+    torch.library.opcheck(torch.ops.flashmsa.backward.default, (*bargs, None, index))
     # With kl_out: the forward skips the KL value, the backward writes it (a declared mutation).
     kl_out = torch.full((), float("nan"), device=device)
     torch.library.opcheck(torch.ops.flashmsa.forward.default, (*args, kl_out))
@@ -469,8 +471,8 @@ def test_cuda_workspace_comes_from_torch_allocator():
     than size(q). With flashmsa's own pool it would be the outputs alone."""
     inputs, cu = _problem("packed", CUDA_CFG, torch.bfloat16, "cuda", seed=5)
     q, k, v, qp, kp = (t.detach() for t in inputs)
-    o, lse, idx, _ = torch.ops.flashmsa.forward(q, k, v, qp, kp, cu.cuda(), cu, 128, 4, 1, 0.0, 0.0,
-                                                1.0, "sparse", False)
+    o, lse, idx, _, _ = torch.ops.flashmsa.forward(q, k, v, qp, kp, cu.cuda(), cu, 128, 4, 1, 0.0, 0.0,
+                                                   1.0, "sparse", False)
     d_o = torch.randn_like(o)
     g = torch.ones((), device="cuda")
     torch.cuda.synchronize()
@@ -482,6 +484,27 @@ def test_cuda_workspace_comes_from_torch_allocator():
     outputs = sum(t.numel() * t.element_size() for t in grads)
     assert torch.cuda.max_memory_allocated() - base > outputs + q.numel() * q.element_size()
     assert all(torch.isfinite(t).all() for t in grads)
+
+
+@needs_cuda
+def test_cuda_backward_reads_the_forward_index():
+    """The backward given the forward's selection index: bitwise the gradients of its own build
+    (deterministic mode); given the index of another selection: different gradients (it is read)."""
+    inputs, cu = _problem("packed", CUDA_CFG, torch.bfloat16, "cuda", seed=9)
+    q, k, v, qp, kp = (t.detach() for t in inputs)
+    opts = (128, 4, 1, 0.0, 0.0, 1.0, "sparse", True)
+    o, lse, idx, _, index = torch.ops.flashmsa.forward(q, k, v, qp, kp, cu.cuda(), cu, *opts)
+    other = torch.ops.flashmsa.forward(q, k, v, qp.flip(0), kp, cu.cuda(), cu, *opts)[4]
+    assert index.dtype == torch.int32 and not torch.equal(index, other)
+    d_o = torch.randn_like(o)
+    g = torch.ones((), device="cuda")
+
+    def grads(selection_index):
+        return torch.ops.flashmsa.backward(q, k, v, qp, kp, cu.cuda(), cu, idx, o, lse, d_o, g, *opts,
+                                           selection_index=selection_index)
+    own = grads(None)
+    assert all(torch.equal(a, b) for a, b in zip(own, grads(index)))
+    assert not all(torch.equal(a, b) for a, b in zip(own, grads(other)))
 
 
 @needs_cuda

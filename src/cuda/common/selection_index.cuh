@@ -7,6 +7,9 @@
 //   3. cub stable radix sort, so each list is ascending in t and the same every run;
 //   4. list offsets by lower bound: list `key` is vals[seg[key], seg[key + 1]).
 // Plus the host helpers both launchers use (grid sizes, one stream-ordered workspace).
+// A caller's index (MsaParams::selection_index, built by cuda::build_selection_index into the
+// layout of selection_index_layout.h) replaces the build: the plan then points into it, reserves
+// nothing and launches nothing.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -21,6 +24,7 @@
 #include "common/check.cuh"
 #include "common/metadata.cuh"
 #include "params.h"
+#include "selection_index_layout.h"
 
 namespace flashmsa::cuda {
 
@@ -151,10 +155,22 @@ struct SelectionIndexPlan {
   // The scratch's offsets are into this buffer instead of the workspace when it is set
   // (place_selection_scratch_outside: an output buffer not yet written, e.g. the forward's o).
   unsigned char* scratch_base = nullptr;
+  // The lasting buffers' offsets are into this buffer instead of the workspace when it is set
+  // (a caller's index: use_caller_index); `prebuilt`: it is already built.
+  unsigned char* lasting_base = nullptr;
+  bool prebuilt = false;
   template <typename U>
   U* scratch_at(const Workspace& ws, size_t offset) const {
     return scratch_base ? reinterpret_cast<U*>(scratch_base + offset) : ws.at<U>(offset);
   }
+  template <typename U>
+  U* lasting_at(const Workspace& ws, size_t offset) const {
+    return lasting_base ? reinterpret_cast<U*>(lasting_base + offset) : ws.at<U>(offset);
+  }
+  int32_t* blk_off(const Workspace& ws) const { return lasting_at<int32_t>(ws, o_blk_off); }
+  int32_t* blk_seq(const Workspace& ws) const { return lasting_at<int32_t>(ws, o_blk_seq); }
+  int32_t* vals(const Workspace& ws) const { return lasting_at<int32_t>(ws, o_vals_out); }
+  int32_t* seg(const Workspace& ws) const { return lasting_at<int32_t>(ws, o_seg); }
 };
 
 // The index's sizes from the host copy of cu_seqlens; no workspace yet (callers may reject the
@@ -169,14 +185,34 @@ inline SelectionIndexPlan selection_index_sizes(const MsaParams& p) {
   return s;
 }
 
-// Reserves the index's lasting buffers (block offsets, block sequences, the sorted list, the
-// per-key segments) in `ws` and sizes cub's temporary storage; launches nothing. The scratch
-// (keys in and out, values in, cub's storage), read only while the index is built, is placed by
-// place_selection_scratch.
-inline void reserve_selection_lists(SelectionIndexPlan& s, const MsaParams& p, Workspace& ws, cudaStream_t stream) {
+// cub's temporary storage for the sort.
+inline void size_sort_storage(SelectionIndexPlan& s, cudaStream_t stream) {
   FLASHMSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
       nullptr, s.cub_bytes, static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
       static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), s.n_entries, 0, s.end_bit, stream));
+}
+
+// The lasting buffers at their places in a caller's index buffer (selection_index_layout.h).
+inline void use_caller_index(SelectionIndexPlan& s, const MsaParams& p, const int32_t* index) {
+  const SelectionIndexLayout l = selection_index_layout(p.T, p.B, p.Hp, p.top_k, kIndexBlk);
+  s.lasting_base = reinterpret_cast<unsigned char*>(const_cast<int32_t*>(index));
+  s.o_blk_off = l.blk_off * sizeof(int32_t);
+  s.o_blk_seq = l.blk_seq * sizeof(int32_t);
+  s.o_vals_out = l.vals * sizeof(int32_t);
+  s.o_seg = l.seg * sizeof(int32_t);
+}
+
+// Reserves the index's lasting buffers (block offsets, block sequences, the sorted list, the
+// per-key segments) in `ws` and sizes cub's temporary storage; launches nothing. The scratch
+// (keys in and out, values in, cub's storage), read only while the index is built, is placed by
+// place_selection_scratch. With the caller's prebuilt index (p.selection_index): nothing of this.
+inline void reserve_selection_lists(SelectionIndexPlan& s, const MsaParams& p, Workspace& ws, cudaStream_t stream) {
+  if (p.selection_index != nullptr) {
+    use_caller_index(s, p, p.selection_index);
+    s.prebuilt = true;
+    return;
+  }
+  size_sort_storage(s, stream);
   s.o_blk_off = ws.add((p.B + 1) * sizeof(int32_t));
   s.o_blk_seq = ws.add(std::max(s.NB, 1) * sizeof(int32_t));
   s.o_vals_out = ws.add(s.n_entries * 4);
@@ -185,6 +221,7 @@ inline void reserve_selection_lists(SelectionIndexPlan& s, const MsaParams& p, W
 
 // Bytes of the scratch at 256-byte offsets from its start.
 inline size_t selection_scratch_bytes(const SelectionIndexPlan& s) {
+  if (s.prebuilt) return 0;
   return 3 * Workspace::padded(s.n_entries * 4) + Workspace::padded(s.cub_bytes);
 }
 
@@ -201,6 +238,7 @@ inline void lay_out_selection_scratch(SelectionIndexPlan& s, size_t start) {
 // region the caller does not use before the index is built: the backward's accumulators, zeroed
 // after it, save the scratch's 16 B per entry of peak workspace), else reserves it after the rest.
 inline void place_selection_scratch(SelectionIndexPlan& s, Workspace& ws, size_t region = 0, size_t region_bytes = 0) {
+  if (s.prebuilt) return;
   if (selection_scratch_bytes(s) <= region_bytes) {
     lay_out_selection_scratch(s, region);
   } else {
@@ -216,7 +254,7 @@ inline void place_selection_scratch(SelectionIndexPlan& s, Workspace& ws, size_t
 // nothing reads or writes until the index is built, when it fits (true); else changes nothing.
 // The plan does not depend on the buffer's address: 255 bytes are set aside for the rounding.
 inline bool place_selection_scratch_outside(SelectionIndexPlan& s, void* buffer, size_t bytes) {
-  if (buffer == nullptr || bytes < 255 || selection_scratch_bytes(s) > bytes - 255) return false;
+  if (s.prebuilt || buffer == nullptr || bytes < 255 || selection_scratch_bytes(s) > bytes - 255) return false;
   const uintptr_t at = (reinterpret_cast<uintptr_t>(buffer) + 255) / 256 * 256;
   s.scratch_base = reinterpret_cast<unsigned char*>(at);
   lay_out_selection_scratch(s, 0);
@@ -230,26 +268,28 @@ inline void reserve_selection_index(SelectionIndexPlan& s, const MsaParams& p, W
   place_selection_scratch(s, ws);
 }
 
-// Builds the index into the allocated workspace, on `stream`.
+// Builds the index into the allocated workspace (or the caller's buffer), on `stream`; nothing
+// when it is prebuilt.
 inline void build_selection_index(const MsaParams& p, const SelectionIndexPlan& s, const Workspace& ws,
                                   cudaStream_t stream) {
+  if (s.prebuilt) return;
   if (p.B > 0) {
-    build_tile_offsets_kernel<<<1, 1024, 0, stream>>>(p.cu_seqlens, p.B, kIndexBlk, ws.at<int32_t>(s.o_blk_off));
+    build_tile_offsets_kernel<<<1, 1024, 0, stream>>>(p.cu_seqlens, p.B, kIndexBlk, s.blk_off(ws));
     FLASHMSA_CHECK_LAUNCH();
-    block_sequence_kernel<<<p.B, 128, 0, stream>>>(ws.at<int32_t>(s.o_blk_off), ws.at<int32_t>(s.o_blk_seq));
+    block_sequence_kernel<<<p.B, 128, 0, stream>>>(s.blk_off(ws), s.blk_seq(ws));
     FLASHMSA_CHECK_LAUNCH();
   }
   make_keys_kernel<<<grid_for(s.n_entries, 256), 256, 0, stream>>>(
-      p.block_idx, p.cu_seqlens, ws.at<int32_t>(s.o_blk_off), p.B, p.T, p.top_k, s.NB, s.n_entries,
+      p.block_idx, p.cu_seqlens, s.blk_off(ws), p.B, p.T, p.top_k, s.NB, s.n_entries,
       static_cast<uint32_t>(s.nkeys), s.scratch_at<uint32_t>(ws, s.o_keys_in), s.scratch_at<int32_t>(ws, s.o_vals_in));
   FLASHMSA_CHECK_LAUNCH();
   size_t cub_bytes = s.cub_bytes;
   FLASHMSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
       s.scratch_at<void>(ws, s.o_cub), cub_bytes, s.scratch_at<const uint32_t>(ws, s.o_keys_in),
       s.scratch_at<uint32_t>(ws, s.o_keys_out), s.scratch_at<const int32_t>(ws, s.o_vals_in),
-      ws.at<int32_t>(s.o_vals_out), s.n_entries, 0, s.end_bit, stream));
+      s.vals(ws), s.n_entries, 0, s.end_bit, stream));
   list_offsets_kernel<<<grid_for(s.nkeys + 1, 256, INT_MAX), 256, 0, stream>>>(
-      s.scratch_at<uint32_t>(ws, s.o_keys_out), s.n_entries, s.nkeys, ws.at<int32_t>(s.o_seg));
+      s.scratch_at<uint32_t>(ws, s.o_keys_out), s.n_entries, s.nkeys, s.seg(ws));
   FLASHMSA_CHECK_LAUNCH();
 }
 

@@ -46,6 +46,7 @@ void with_dense_selection(const MsaParams& p, cudaStream_t stream, Body body) {
   dense.top_k = K;
   dense.local_blocks = K;
   dense.all_blocks = true;
+  dense.selection_index = nullptr;  // a caller's index would be of another selection
   const StreamAllocation<int32_t> idx(n, stream);
   const int grid = static_cast<int>(std::min<int64_t>(65536, (n + 255) / 256));
   all_blocks_kernel<<<grid, 256, 0, stream>>>(p.cu_seqlens, p.B, p.T, K, n, idx.get());

@@ -612,10 +612,10 @@ void launch_kv_forward(const MsaParams& p, cudaStream_t stream) {
   a.qp = static_cast<const bf16*>(p.qp);
   a.kp = static_cast<const bf16*>(p.kp);
   a.cu = p.cu_seqlens;
-  a.blk_off = ws.at<int32_t>(sel.o_blk_off);
-  a.blk_seq = ws.at<int32_t>(sel.o_blk_seq);
-  a.seg = ws.at<int32_t>(sel.o_seg);
-  a.vals = ws.at<int32_t>(sel.o_vals_out);
+  a.blk_off = sel.blk_off(ws);
+  a.blk_seq = sel.blk_seq(ws);
+  a.seg = sel.seg(ws);
+  a.vals = sel.vals(ws);
   a.part = ws.at<float>(o_part);
   a.part_s = ws.at<float>(o_part_s);
   a.lse = p.lse;

@@ -1074,8 +1074,8 @@ void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
         pb.off[i] = pl.off[cb + i];
       }
       kvw_plan_kernel<<<dim3(pb.n, p.Hp), kPlanThreads, 0, stream>>>(
-          pb, cb, pl.n_chunks, ws.at<int32_t>(pl.sel.o_seg), ws.at<int32_t>(pl.sel.o_vals_out), p.cu_seqlens,
-          ws.at<int32_t>(pl.sel.o_blk_off), ws.at<int32_t>(pl.sel.o_blk_seq), pl.sel.NB, p.top_k, pl.tok_per_tile,
+          pb, cb, pl.n_chunks, pl.sel.seg(ws), pl.sel.vals(ws), p.cu_seqlens,
+          pl.sel.blk_off(ws), pl.sel.blk_seq(ws), pl.sel.NB, p.top_k, pl.tok_per_tile,
           pl.max_tiles, pl.items_per_group, items, n_items);
       FLASHMSA_CHECK_LAUNCH();
     }
@@ -1123,7 +1123,7 @@ void run_kvw(const MsaParams& p, int32_t* overflow, cudaStream_t stream) {
           const int slot = g * pl.n_chunks + c;
           const unsigned grid = static_cast<unsigned>(std::min<int64_t>(pl.bound[c], sms));
           const int4* its = items + g * pl.items_per_group + pl.off[c];
-          const int32_t* vals = ws.at<int32_t>(pl.sel.o_vals_out);
+          const int32_t* vals = pl.sel.vals(ws);
           kvw_fwd_kernel<M, kFirst><<<grid, kThreads, kSmem, L.st>>>(
               q_map, k_map, v_map, q, p.H, its, n_items + slot, counters + slot, vals, L.mref, L.acc_o, L.acc_l, overflow,
               p.top_k, pl.c0[c], g * M, g * M / r, scale_log2, fx);

@@ -401,10 +401,10 @@ float kl_c_base(const MsaParams& p) {
 bwd::Index make_index(const MsaParams& p, const SelectionIndexPlan& sel, const Workspace& ws) {
   bwd::Index ix;
   ix.cu = p.cu_seqlens;
-  ix.blk_off = ws.at<int32_t>(sel.o_blk_off);
-  ix.blk_seq = ws.at<int32_t>(sel.o_blk_seq);
-  ix.seg_start = ws.at<int32_t>(sel.o_seg);
-  ix.vals = ws.at<int32_t>(sel.o_vals_out);
+  ix.blk_off = sel.blk_off(ws);
+  ix.blk_seq = sel.blk_seq(ws);
+  ix.seg_start = sel.seg(ws);
+  ix.vals = sel.vals(ws);
   ix.B = p.B;
   ix.NB = sel.NB;
   ix.K = p.top_k;
@@ -595,11 +595,12 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
 }
 
 // launch_kl_value's workspace: the inverted index, then lse_s and the per-(p, block) shares. The
-// student's partials reuse the index's unsorted keys and values, dead once the sort is done.
+// student's partials reuse the index's unsorted keys and values, dead once the sort is done (their
+// own buffers with a caller's prebuilt index).
 struct KlValuePlan {
   SelectionIndexPlan sel;
   Workspace ws;
-  size_t o_lse_s = 0, o_kl_part = 0;
+  size_t o_part_max = 0, o_part_sum = 0, o_lse_s = 0, o_kl_part = 0;
 };
 
 KlValuePlan plan_kl_value(const MsaParams& p, cudaStream_t stream) {
@@ -608,6 +609,9 @@ KlValuePlan plan_kl_value(const MsaParams& p, cudaStream_t stream) {
   reserve_selection_index(kp.sel, p, kp.ws, stream);
   static_assert(sizeof(float) == sizeof(uint32_t) && sizeof(float) == sizeof(int32_t),
                 "part_max / part_sum alias keys_in / vals_in, one 4-byte element per entry");
+  const bool own = kp.sel.prebuilt;
+  kp.o_part_max = own ? kp.ws.add(kp.sel.n_entries * sizeof(float)) : kp.sel.o_keys_in;
+  kp.o_part_sum = own ? kp.ws.add(kp.sel.n_entries * sizeof(float)) : kp.sel.o_vals_in;
   kp.o_lse_s = kp.ws.add(static_cast<size_t>(p.Hp) * p.T * sizeof(float));
   kp.o_kl_part = kp.ws.add(std::max<int64_t>(kp.sel.nkeys, 1) * sizeof(float));
   return kp;
@@ -636,7 +640,7 @@ void launch_kl_value(const MsaParams& p, cudaStream_t stream) {
   ws.allocate(stream);
   const bwd::Index ix = make_index(p, kp.sel, ws);
   build_selection_index(p, kp.sel, ws, stream);
-  launch_student_lse<128>(p, stream, ix, ws.at<float>(kp.sel.o_keys_in), ws.at<float>(kp.sel.o_vals_in),
+  launch_student_lse<128>(p, stream, ix, ws.at<float>(kp.o_part_max), ws.at<float>(kp.o_part_sum),
                           ws.at<float>(kp.o_lse_s));
 
   // KL_ONLY reads qp, kp, lse_s, scale_p, Hpk and kl_grad (null here: g only scales the proxy's
@@ -794,7 +798,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   {
     size_t moved = 0, kept = 0;
     for (size_t b : {b_dqp, b_dk, b_dk, b_dkp}) (moved + b <= dq_bytes ? moved : kept) += b;
-    const size_t scratch = 3 * pad(n_entries * 4) + Workspace::padded(sel.cub_bytes);
+    const size_t scratch = selection_scratch_bytes(sel);
     if (scratch > b_dq + kept && scratch <= b_dq + kept + moved && scratch > moved) side_in_dq = false;
   }
   size_t dq_used = 0;
