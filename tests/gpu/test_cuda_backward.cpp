@@ -913,7 +913,8 @@ void check_index_reuse(const Shape& s, uint64_t seed) {
   other_index.upload(host_build(other));
   const flashmsa::TensorView ov = gputest::dview(other_index, DType::int32, {n});
   EXPECT_FALSE(run_gpu(d, st, true, ov).raw == det_own.raw) << "another selection's index left the gradients as they were";
-  EXPECT_FALSE(run_gpu_forward(d, st, true, ov).o == f_own.o) << "another selection's index left o as it was";
+  if (s.D == 128)  // the KV-major forwards read the index; the query-major one (other head dims) has none
+    EXPECT_FALSE(run_gpu_forward(d, st, true, ov).o == f_own.o) << "another selection's index left o as it was";
 
   try {
     run_gpu(d, st, false, gputest::dview(index, DType::int32, {n - 1}));
