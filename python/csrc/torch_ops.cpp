@@ -3,9 +3,10 @@
 // The operators return fresh outputs and alias nothing; the one mutation is the backward's
 // optional kl_out (declared in its schema), which receives the kl_loss value when the forward was
 // asked not to form it. The sparse forward also returns the step's selection index
-// (build_selection_index), which the backward takes back instead of building its own. Autograd, fake tensors and torch.compile are all registered from Python
-// (flashmsa/__init__.py) on top of these two schemas. One C++ function serves both devices: the
-// library dispatches on the views' device itself; here we only pick the stream and device guard.
+// (build_selection_index), which the backward takes back instead of building its own. Autograd,
+// fake tensors and torch.compile are all registered from Python (flashmsa/__init__.py) on top of
+// these two schemas. One C++ function serves both devices: the library dispatches on the views'
+// device itself; here we only pick the stream and device guard.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -307,9 +308,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward(
   Tensor lse_c = prepare(lse);
   Tensor idx_c = sparse ? prepare(block_idx) : block_idx;
   Tensor index_c;
-  if (sparse && selection_index && selection_index->defined()) {
-    TORCH_CHECK(selection_index->scalar_type() == at::kInt,
-                "flashmsa: argument 'selection_index' must be int32, got ", selection_index->scalar_type());
+  if (sparse && selection_index && selection_index->defined()) {  // dtype and size: the library's checks
     index_c = prepare(*selection_index);
     in.views.selection_index = view_of(index_c, "selection_index");
   }

@@ -92,9 +92,10 @@ def _backward_fake(q, k, v, qp, kp, cu_seqlens, cu_seqlens_host, block_idx, o, l
 
 # ---------------------------------------------------------------------------------------------
 # Autograd: the forward op saves what the fused backward needs (the selection index too, so the
-# backward does not build it again); lse, block_idx and the index carry no gradient. The KL gradient enters the backward as a tensor (no host synchronisation). kl_out, a
-# forward input that needs no gradient, is handed to the backward op, which writes the kl_loss
-# value into it (a mutation of a forward input in the backward, which torch.compile carries).
+# backward does not build it again); lse, block_idx and the index carry no gradient. The KL
+# gradient enters the backward as a tensor (no host synchronisation). kl_out, a forward input
+# that needs no gradient, is handed to the backward op, which writes the kl_loss value into it (a
+# mutation of a forward input in the backward, which torch.compile carries).
 
 
 def _setup_context(ctx, inputs, output):
