@@ -14,20 +14,19 @@
 #                                     e.g. with
 #     bash scripts/build_variants.sh ab21 main=main x=exp/some-branch:tests
 #     and carry ["ab21"]: AB_DIR=ab21 TEST_FILTER='CudaBackward.*:CudaGraph.*' bash scripts/gpu_next.sh ab
-# Next (forty-fourth session): an H200 record of main (HEAD's device code = 85f66f5: the backward's
-# own-block pass). On an H100 it passed the whole GPU suite (117/117), memcheck (48 tests, OwnBlockPass
-# among them), racecheck_wgmma (also FLASHMSA_BWD_CHUNK=256 FLASHMSA_BWD_OWN_PASS=1), the PyTorch CUDA tests
-# and the main job (bench/results/h100_85f66f5_*); every call naming nvidia-h200 got an H100. So on the
-# H200 the figures are what is missing: STAGES="scale bench" BENCH_TIMEOUT=250 first (~4.5 min; carry
-# ["scratch-gpu"], built by build_gpu_bundle.sh), then STAGES=tests if time is left. A call that must
-# run on an H200 can check the card first and exit (as the forty-fourth session's probes did):
-#   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || exit 3; STAGES=... bash scripts/gpu_next.sh
-# Then the prepared branch exp/index-reuse (never run on a GPU): its tests and an A/B against main,
-#   bash scripts/build_variants.sh ab45 main=main x=exp/index-reuse:tests     # carry ["ab45"]
-#   (ab45/ was built in the forty-fourth session: main 787bd5a, x 78df08c; rebuild if either moved)
-#   AB_DIR=ab45 TEST_FILTER='SelectionIndex.*:CudaBackward.*:CudaForward.*:CudaGraph.*' \
+# Next (forty-sixth session): (1) the index reuse, docs/prepared/index-reuse.patch (the forty-fourth
+# session's branch exp/index-reuse did not survive the checkout; the forty-fifth rewrote it: CPU tests and
+# CI green, never run on a GPU: four device starts failed). Apply it on a branch, build an A/B dir (the
+# binaries of main and of the patch, its tests and _C.so), then one call (carry ["ab46"]):
+#   git checkout -b index-reuse && git apply docs/prepared/index-reuse.patch && git commit -qam index-reuse
+#   bash scripts/build_gpu_bundle.sh   # on main first (scratch-gpu), then as below for the patch
+#   mkdir ab46: run_main.xz = scratch-gpu/flashmsa_run.xz; run_x, tests_x, _C_x.so from the patch's build-gpu
+#   PYTHONPATH=$PWD/python FLASHMSA_TORCH_LIBRARY=$PWD/ab46/_C_x.so python3 -m pytest -q -x tests/python -k cuda
+#   AB_DIR=ab46 TEST_FILTER='SelectionIndex.*:CudaBackward.*:CudaForward.*:CudaGraph.*' \
 #     CONFIGS="m3_64k:--seqlen 65536;fm16k:--seqlen 16384 --heads 16 --kv-heads 2" bash scripts/gpu_next.sh ab
-# and the PyTorch CUDA tests on its _C.so (a fifth forward output); land it only if all pass.
+# Land it only if all pass. (2) An H200 record (main's own-block pass 85f66f5 has none; with the patch if
+# landed): STAGES="scale bench" BENCH_TIMEOUT=250, then STAGES=tests. A call that must run on an H200 can
+# check the card first: nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || exit 3
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-record}
