@@ -907,8 +907,14 @@ void check_index_reuse(const Shape& s, uint64_t seed) {
   EXPECT_LT(std::fabs(f.kl - cpu_kl_fwd), 1e-2 * std::fabs(cpu_kl_fwd)) << f.kl << " vs CPU " << cpu_kl_fwd;
   std::printf("  given index: fast o rel L2 %.3e, lse max abs %.3e, kl %.6g (CPU %.6g)\n", e_o, lse_err, f.kl, cpu_kl_fwd);
 
-  std::mt19937_64 rng(seed + 99);
-  std::vector<int32_t> other = random_selection(st.pr, rng);
+  // Another selection: the own block alone. (A random one would not do: these shapes' K covers
+  // every causal block, so any selection lists the same blocks.)
+  std::vector<int32_t> other(st.sel.size(), -1);
+  for (int p = 0; p < s.Hp; ++p)
+    for (int b = 0; b < st.pr.B; ++b)
+      for (int64_t t = st.pr.cu[b]; t < st.pr.cu[b + 1]; ++t)
+        other[(static_cast<int64_t>(p) * T + t) * s.K] = static_cast<int32_t>((t - st.pr.cu[b]) / 128);
+  EXPECT_FALSE(other == st.sel) << "the other selection equals the real one";
   DeviceBuffer other_index(n * 4);
   other_index.upload(host_build(other));
   const flashmsa::TensorView ov = gputest::dview(other_index, DType::int32, {n});
