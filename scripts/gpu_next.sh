@@ -14,19 +14,10 @@
 #                                     e.g. with
 #     bash scripts/build_variants.sh ab21 main=main x=exp/some-branch:tests
 #     and carry ["ab21"]: AB_DIR=ab21 TEST_FILTER='CudaBackward.*:CudaGraph.*' bash scripts/gpu_next.sh ab
-# Next (forty-sixth session): (1) the index reuse, docs/prepared/index-reuse.patch (the forty-fourth
-# session's branch exp/index-reuse did not survive the checkout; the forty-fifth rewrote it: CPU tests and
-# CI green, never run on a GPU: four device starts failed). Apply it on a branch, build an A/B dir (the
-# binaries of main and of the patch, its tests and _C.so), then one call (carry ["ab46"]):
-#   git checkout -b index-reuse && git apply docs/prepared/index-reuse.patch && git commit -qam index-reuse
-#   bash scripts/build_gpu_bundle.sh   # on main first (scratch-gpu), then as below for the patch
-#   mkdir ab46: run_main.xz = scratch-gpu/flashmsa_run.xz; run_x, tests_x, _C_x.so from the patch's build-gpu
-#   PYTHONPATH=$PWD/python FLASHMSA_TORCH_LIBRARY=$PWD/ab46/_C_x.so python3 -m pytest -q -x tests/python -k cuda
-#   AB_DIR=ab46 TEST_FILTER='SelectionIndex.*:CudaBackward.*:CudaForward.*:CudaGraph.*' \
-#     CONFIGS="m3_64k:--seqlen 65536;fm16k:--seqlen 16384 --heads 16 --kv-heads 2" bash scripts/gpu_next.sh ab
-# Land it only if all pass. (2) An H200 record (main's own-block pass 85f66f5 has none; with the patch if
-# landed): STAGES="scale bench" BENCH_TIMEOUT=250, then STAGES=tests. A call that must run on an H200 can
-# check the card first: nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || exit 3
+# Next: an H200 record of main (the own-block pass and the index reuse have H100 figures only):
+#   bash scripts/build_gpu_bundle.sh; carry ["scratch-gpu"]; STAGES="scale bench" BENCH_TIMEOUT=250, then
+#   STAGES=tests. A call that must run on an H200 checks the card first (a call for nvidia-h200 may get
+#   an H100): nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || exit 3
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-record}
