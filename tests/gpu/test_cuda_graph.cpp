@@ -338,22 +338,27 @@ TEST(CudaWorkspace, BackwardWithinTwoAndAHalfQ) {
 // performance.md's memory goal for the forward at fm16k (groups of 4 heads, whose default chunk
 // accumulators alone are 0.63 x size(q)): selection + forward within 0.5 x size(q). The forward's
 // index scratch lives in o's buffer until o is written, and its chunk shrinks towards the goal.
-TEST(CudaWorkspace, ForwardWithinHalfQ) {
-  GPUTEST_REQUIRE_DEVICE();
+// With the step's selection index in a caller's buffer (held until the backward), the index counts
+// against the goal too.
+void check_forward_within_half_q(bool caller_index) {
   const Shape s = shape(16, 2, 4, 1, 128, 16, {16384});
   StepCase c;
   ASSERT_NO_FATAL_FAILURE(make_step_case(c, s, 219, false));
   const int64_t T = c.pr.T;
-  const auto in = c.pr.device_inputs();
+  flashmsa::AttentionInputs in = c.pr.device_inputs();
   const auto sel = gputest::dview(c.b.sel, DType::int32, {s.Hp, T, s.K});
   const auto o = gputest::dview(c.b.o, DType::bf16, {T, s.H, s.D});
   const auto lse = gputest::dview(c.b.lse, DType::fp32, {s.H, T});
+  const int64_t index_elements = caller_index ? flashmsa::selection_index_size(in, c.opt) : 0;
+  DeviceBuffer index(std::max<int64_t>(index_elements, 1) * 4);
+  if (caller_index) in.selection_index = gputest::dview(index, DType::int32, {index_elements});
   poison(c.b);
   CountingAllocator counter;
   install_allocator(counter);
   std::string error;
   try {
     flashmsa::select_blocks(in, c.opt, sel, c.g.stream);
+    if (caller_index) flashmsa::build_selection_index(in, sel, c.opt, in.selection_index, c.g.stream);
     flashmsa::sparse_attention_forward(in, sel, c.opt, o, lse, flashmsa::TensorView(), c.g.stream);
   } catch (const flashmsa::Error& e) {
     error = e.what();
@@ -362,15 +367,22 @@ TEST(CudaWorkspace, ForwardWithinHalfQ) {
   flashmsa::set_workspace_allocator(flashmsa::WorkspaceAllocator());
   EXPECT_EQ(error, "") << "the forward threw";
   const double q_bytes = static_cast<double>(T) * s.H * s.D * 2;
+  const double held = static_cast<double>(counter.peak) + 4.0 * index_elements;
   EXPECT_GT(counter.allocs, 0) << "no workspace from the allocator: was the KV-major forward taken?";
-  EXPECT_LE(static_cast<double>(counter.peak), 0.5 * q_bytes)
-      << "peak workspace " << counter.peak / q_bytes << " x size(q)";
+  EXPECT_LE(held, 0.5 * q_bytes) << "peak workspace " << counter.peak / q_bytes << " x size(q), index "
+                                 << 4.0 * index_elements / q_bytes << " x";
   EXPECT_EQ(counter.live, 0u);
   // Every o and lse element written (poisoned to NaN before; finite inputs give finite outputs).
   size_t bad = 0;
   for (double x : gputest::bf16_to_doubles(c.b.o.download<uint16_t>())) bad += !std::isfinite(x);
   for (float x : c.b.lse.download<float>()) bad += !std::isfinite(x);
   EXPECT_EQ(bad, 0u) << "non-finite outputs (unwritten or scratch left in o)";
+}
+
+TEST(CudaWorkspace, ForwardWithinHalfQ) {
+  GPUTEST_REQUIRE_DEVICE();
+  check_forward_within_half_q(false);
+  check_forward_within_half_q(true);
 }
 
 // The backward keeps its side accumulators in dq's buffer (fused_backward.cu), at 256-byte offsets

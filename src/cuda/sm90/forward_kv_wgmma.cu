@@ -972,9 +972,12 @@ KvwPlan plan_kvw_chunks(const MsaParams& p, int S, int C) {
 }
 
 // performance.md's memory goal for the forward: size(q) / 2 (bf16 q, D = 128 here), less the
-// caller's redo flags and list, live beside this workspace.
+// caller's redo flags and list and a caller's selection index, live beside this workspace (the
+// index, held from the forward to the backward, is counted as the step's memory, not as an output).
 size_t kvw_workspace_goal(const MsaParams& p) {
-  return static_cast<size_t>(p.T) * p.H * p.D - static_cast<size_t>(redo_flag_ints(p.T)) * sizeof(int32_t);
+  int64_t beside = redo_flag_ints(p.T);
+  if (p.selection_index != nullptr) beside += selection_index_layout(p.T, p.B, p.Hp, p.top_k, kIndexBlk).size;
+  return static_cast<size_t>(std::max<int64_t>(p.T * p.H * p.D - beside * int64_t{sizeof(int32_t)}, 0));
 }
 
 // The path's workspace limit: the goal, or 64 MiB: small problems (a few thousand tokens) would
