@@ -309,9 +309,12 @@ void check_selection_index(const AttentionInputs& in, MsaParams& p) {
   p.selection_index = static_cast<const int32_t*>(in.selection_index.data);
 }
 
-// The index as build_selection_index's output: shape, and no overlap with what the build reads.
+// The index as build_selection_index's output: shape, entries countable in int32 (both backends),
+// and no overlap with what the build reads.
 void check_index_output(const TensorView& index, const MsaParams& p, const AttentionInputs& in,
                         const TensorView& block_idx) {
+  if (static_cast<int64_t>(p.Hp) * p.T * p.top_k >= INT32_MAX)
+    throw Error("flashmsa: build_selection_index: argument 'block_idx' has Hp*T*K >= 2^31 entries");
   check_tensor("selection_index", index, {index_size(p)}, DType::int32, in.q.device, in.q.device_index);
   const NamedTensor outputs[] = {{"selection_index", &index}};
   const NamedTensor inputs[] = {{"q", &in.q},   {"k", &in.k}, {"v", &in.v}, {"qp", &in.qp},

@@ -3,7 +3,6 @@
 // sort by key, entries of unseen blocks and padding as the sentinel key past every list), so a
 // caller's code runs unchanged on either device and the GPU build has a bytewise reference.
 #include <algorithm>
-#include <climits>
 #include <vector>
 
 #include "params.h"
@@ -12,8 +11,6 @@
 namespace flashmsa::cpu {
 
 void build_selection_index(const MsaParams& p, int32_t* index) {
-  if (static_cast<int64_t>(p.Hp) * p.T * p.top_k >= INT32_MAX)
-    throw Error("flashmsa: build_selection_index: argument 'block_idx' has Hp*T*K >= 2^31 entries");
   const SelectionIndexLayout l = selection_index_layout(p.T, p.B, p.Hp, p.top_k, p.block_size);
   std::fill(index, index + l.size, 0);
   const int32_t* cu = p.cu_seqlens_host;

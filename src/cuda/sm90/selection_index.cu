@@ -7,8 +7,6 @@
 namespace flashmsa::cuda {
 
 void launch_build_selection_index(const MsaParams& p, int32_t* index, cudaStream_t stream) {
-  if (p.T * static_cast<int64_t>(p.top_k) * p.Hp >= INT32_MAX)
-    throw Error("flashmsa: build_selection_index: argument 'block_idx' has Hp*T*K >= 2^31 entries");
   SelectionIndexPlan s = selection_index_sizes(p);
   size_sort_storage(s, stream);
   use_caller_index(s, p, index);
