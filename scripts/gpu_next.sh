@@ -14,11 +14,10 @@
 #                                     e.g. with
 #     bash scripts/build_variants.sh ab21 main=main x=exp/some-branch:tests
 #     and carry ["ab21"]: AB_DIR=ab21 TEST_FILTER='CudaBackward.*:CudaGraph.*' bash scripts/gpu_next.sh ab
-# Next: an H200 record of main (the own-block pass and the index reuse have H100 figures only):
-#   bash scripts/build_gpu_bundle.sh; carry ["scratch-gpu"]; STAGES="scale bench" BENCH_TIMEOUT=250, then
-#   STAGES=tests (681b035's ForwardWithinHalfQ with a caller's index has not run on a GPU yet). A call
-#   that must run on an H200 checks the card first (a call for nvidia-h200 may get an H100):
-#   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || exit 3
+# Next: the H200 record of 5e0444f is done (forty-seventh session). Still unrun there: racecheck of the
+#   mma.sync paths (STAGES=racecheck) and of the deterministic wgmma step; for an A/B, build variants and
+#   use the ab mode above. A call that must run on an H200 checks the card first (a call for nvidia-h200
+#   may get an H100): nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || exit 3
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-record}
