@@ -4,7 +4,7 @@
 # Results (logs, JSON) go to $OUT. Binaries are built on the workstation for sm_90a first:
 #   bash scripts/build_gpu_bundle.sh      # -> scratch-gpu/ (flashmsa_gpu_tests, flashmsa_run, _C.so)
 # and the device call carries scratch-gpu. Stages, as arguments or in $STAGES: tests sanitizer main
-# python scale bench racecheck (default: all; racecheck_wgmma on request); `scale` runs the main job
+# python scale bench racecheck (default: all; racecheck_wgmma and racecheck_det on request); `scale` runs the main job
 # at m3 64k (phase split, memory), 1M tokens, deterministic 64k (timed, and bitwise over 5 steps), fm16k
 # and the dense warm-up at 16k (with --graph: the step captured in a CUDA graph, too). `timeline` (not in the default) lists one
 # op step's kernels with their streams and the GPU's idle time at m3 64k / 32k and fm16k.
@@ -53,17 +53,21 @@ if has racecheck; then  # shared-memory hazards of the mma.sync paths (on the wg
   race_stage racecheck_kv CudaForward.LocalOnlyK1 FLASHMSA_FORWARD_PATH=kv
   race_stage racecheck_bwd_mma CudaBackward.LocalOnlyK1 FLASHMSA_BACKWARD_PATH=mma
 fi
+# flashmsa_run's whole step (selection, wgmma forward with its KL value, the token-row / shared-kv
+# wgmma backward) at 640 tokens (5 blocks < K: the fewer-visible case), one iteration, no check.
+race_run() {  # name, flashmsa_run shape arguments...
+  local name=$1; shift
+  run_stage "$name" timeout "${RACE_TIMEOUT:-150}" compute-sanitizer --tool racecheck --error-exitcode 9 \
+    "$BIN/flashmsa_run" --device cuda --seqlen 640 --iters 1 --check-tokens 0 --check-keys 0 --forward-kl --quiet "$@"
+  grep -q "SUMMARY: 0 hazards displayed" "$LOGS/$name.log" || { echo "=== $name: hazards reported"; status=1; }
+}
 if has racecheck_wgmma; then  # not in the default: the default (wgmma) paths on one small step each
-  # flashmsa_run's whole step (selection, wgmma forward with its KL value, the token-row / shared-kv
-  # wgmma backward) at 640 tokens (5 blocks < K: the fewer-visible case), one iteration, no check.
-  race_run() {  # name, flashmsa_run shape arguments...
-    local name=$1; shift
-    run_stage "$name" timeout "${RACE_TIMEOUT:-150}" compute-sanitizer --tool racecheck --error-exitcode 9 \
-      "$BIN/flashmsa_run" --device cuda --seqlen 640 --iters 1 --check-tokens 0 --check-keys 0 --forward-kl --quiet "$@"
-    grep -q "SUMMARY: 0 hazards displayed" "$LOGS/$name.log" || { echo "=== $name: hazards reported"; status=1; }
-  }
   race_run racecheck_wgmma_m16 --heads 16 --kv-heads 1 --proxy-heads 1
   race_run racecheck_wgmma_m4 --heads 8 --kv-heads 1 --proxy-heads 2
+fi
+if has racecheck_det; then  # not in the default: the same steps in deterministic mode (two-pass forward, DET backward)
+  race_run racecheck_det_m16 --heads 16 --kv-heads 1 --proxy-heads 1 --deterministic
+  race_run racecheck_det_m4 --heads 8 --kv-heads 1 --proxy-heads 2 --deterministic
 fi
 has main && run_stage main_job "$BIN/flashmsa_run" --device cuda --seqlen 8192 --full-check \
   --json "$LOGS/main_job.json"
