@@ -14,10 +14,10 @@
 #                                     e.g. with
 #     bash scripts/build_variants.sh ab21 main=main x=exp/some-branch:tests
 #     and carry ["ab21"]: AB_DIR=ab21 TEST_FILTER='CudaBackward.*:CudaGraph.*' bash scripts/gpu_next.sh ab
-# Next: the H200 record of 5e0444f is done (forty-seventh session). Still unrun there: racecheck of the
-#   mma.sync paths (STAGES=racecheck) and of the deterministic wgmma step (flashmsa_run --seqlen 640
-#   --forward-kl --deterministic under compute-sanitizer --tool racecheck, as racecheck_wgmma runs it), and a
-#   sweep of the backward's chunk count since the own-block pass (same binary, no rebuild):
+# Next: the H200 record of 5e0444f is done (forty-seventh session). Still unrun there (the forty-eighth
+#   session's nine starts all failed): racecheck of the mma.sync paths and of the deterministic wgmma step
+#   (STAGES="racecheck racecheck_det" bash scripts/gpu_check.sh), and a sweep of the backward's chunk count
+#   since the own-block pass (same binary, no rebuild):
 #   B=scratch-gpu/flashmsa_run VARIANTS="c4=$B,FLASHMSA_BWD_CHUNKS=4;c3=$B,FLASHMSA_BWD_CHUNKS=3;c5=$B,FLASHMSA_BWD_CHUNKS=5"
 #   CONFIGS="m3_64k:--seqlen 65536" OUT=$OUT bash scripts/gpu_ab.sh. For an A/B of builds, use the ab mode
 #   above. A call that must run on an H200 checks the card first (a call for nvidia-h200 may get an H100):
