@@ -56,4 +56,13 @@ inline int sm_count(int device) {
   return n > 1 ? n : 1;
 }
 
+// Peak DRAM bandwidth of `device` in bytes per second (memory clock x bus width, double data rate):
+// H100 SXM ~3.35e12, H200 ~4.8e12. Tunings whose best point moves with it read this.
+inline double dram_peak_bytes_per_s(int device) {
+  int khz = 0, bits = 0;
+  FLASHMSA_CUDA_CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device));
+  FLASHMSA_CUDA_CHECK(cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, device));
+  return 2.0 * 1e3 * khz * (bits / 8);
+}
+
 }  // namespace flashmsa::cuda

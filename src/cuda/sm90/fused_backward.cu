@@ -293,11 +293,19 @@ bool alternate_waves(const MsaParams& p) {
 }
 
 // Tokens per chunk of the token-row wgmma backward's lists (FoldArgs::n_chunks; 0: whole lists).
-// Fast mode's default: T / 5 below 64k tokens, T / 4 from there, none under 4096 tokens a chunk
-// (H200, m3 32k / 64k / 128k: -0.15..-0.35 / -0.9..-1.45 / -1.6..-2.4 ms, bench/results/
-// h200_bwd_chunk_counts_table.txt and h200_bwd_chunks_default_ab.log; 2048-token chunks lose 3.3 ms
-// at 64k). Deterministic mode: none by default (its int64 partial adds and the extra o / dO maxima
-// cost more than the chunks gain: +1.0 ms at m3/64k). FLASHMSA_BWD_CHUNK: tokens (0: none),
+// Fast mode's default follows the card's DRAM bandwidth: smaller chunks keep more of the dQ rows'
+// read-modify-writes in L2 and pay more dK / dV partial adds and per-CTA starts, so the slower the DRAM,
+// the smaller the best chunk.
+//  - below 4.2 TB/s (H100: 3.35) from 32k tokens (the range measured): T / 16 (H100 with the own-block
+//    pass, forty-eighth session, bench/results/h100_bwd_chunk_counts_ab.log: backward m3/64k 41.8 -> 38.4-38.5
+//    ms against T / 4, 32k 18.3-18.6 -> 17.4 against T / 5; 2048-token chunks at 64k 41.0);
+//  - else (H200, and shorter sequences): T / 5 below 64k tokens, T / 4 from there, none under 4096
+//    tokens a chunk (H200 before the own-block pass, m3 32k / 64k / 128k: -0.15..-0.35 / -0.9..-1.45 /
+//    -1.6..-2.4 ms, bench/results/h200_bwd_chunk_counts_table.txt and h200_bwd_chunks_default_ab.log;
+//    2048-token chunks lost 3.3 ms and 4096-token ones 1.0 ms at 64k there). Not yet swept on an H200
+//    since the pass.
+// Deterministic mode: none by default (its int64 partial adds and the extra o / dO maxima cost more than
+// the chunks gain: +1.0 ms at m3/64k on the H200). FLASHMSA_BWD_CHUNK: tokens (0: none),
 // FLASHMSA_BWD_CHUNKS: a count, either mode; FLASHMSA_BWD_CHUNK_GROUPS: the proxy groups swept
 // together inside a chunk (a divisor of Hp, default 1). Read per call.
 int backward_chunk_tokens(int64_t T, bool det) {
@@ -307,6 +315,10 @@ int backward_chunk_tokens(int64_t T, bool det) {
     return count > 0 ? static_cast<int>((T + count - 1) / count) : 0;
   }
   if (det) return 0;
+  int device = 0;
+  FLASHMSA_CUDA_CHECK(cudaGetDevice(&device));
+  const double dram = dram_peak_bytes_per_s(device);  // 0 where the driver does not say: the H200 rule
+  if (dram > 0 && dram < 4.2e12 && T >= 32768) return static_cast<int>((T + 15) / 16);
   const int64_t count = T >= 65536 ? 4 : 5, chunk = (T + count - 1) / count;
   return chunk >= 4096 ? static_cast<int>(chunk) : 0;
 }
