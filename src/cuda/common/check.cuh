@@ -57,11 +57,15 @@ inline int sm_count(int device) {
 }
 
 // Peak DRAM bandwidth of `device` in bytes per second (memory clock x bus width, double data rate):
-// H100 SXM ~3.35e12, H200 ~4.8e12. Tunings whose best point moves with it read this.
+// H100 SXM ~3.35e12, H200 ~4.8e12. Tunings whose best point moves with it read this; 0 where the
+// driver does not report it (the query's error is cleared, so that no later launch check sees it).
 inline double dram_peak_bytes_per_s(int device) {
   int khz = 0, bits = 0;
-  FLASHMSA_CUDA_CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device));
-  FLASHMSA_CUDA_CHECK(cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, device));
+  if (cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0.0;
+  }
   return 2.0 * 1e3 * khz * (bits / 8);
 }
 
