@@ -14,12 +14,17 @@
 #                                     e.g. with
 #     bash scripts/build_variants.sh ab21 main=main x=exp/some-branch:tests
 #     and carry ["ab21"]: AB_DIR=ab21 TEST_FILTER='CudaBackward.*:CudaGraph.*' bash scripts/gpu_next.sh ab
-# Next: the H200 record of 5e0444f is done (forty-seventh session). Still unrun there (the forty-eighth
-#   session's nine starts all failed): racecheck of the mma.sync paths and of the deterministic wgmma step
-#   (STAGES="racecheck racecheck_det" bash scripts/gpu_check.sh), and a sweep of the backward's chunk count
-#   since the own-block pass (same binary, no rebuild):
-#   B=scratch-gpu/flashmsa_run VARIANTS="c4=$B,FLASHMSA_BWD_CHUNKS=4;c3=$B,FLASHMSA_BWD_CHUNKS=3;c5=$B,FLASHMSA_BWD_CHUNKS=5"
-#   CONFIGS="m3_64k:--seqlen 65536" OUT=$OUT bash scripts/gpu_ab.sh. For an A/B of builds, use the ab mode
+# Next (as of the forty-eighth session, which got no H200: nine starts failed, the tenth call an H100):
+#   1. the backward's chunk count on an H200 since the own-block pass. On the H100 T / 16 beat T / 4 by
+#      3.4 ms at m3/64k (bench/results/h100_bwd_chunk_counts_ab.log), and cards under 4.2 TB/s now take
+#      it by default; the H200 keeps T / 4 .. T / 5, measured before the pass. Same binary, no rebuild:
+#      B=scratch-gpu/flashmsa_run VARIANTS="c4=$B,FLASHMSA_BWD_CHUNKS=4;c8=$B,FLASHMSA_BWD_CHUNKS=8;c12=$B,FLASHMSA_BWD_CHUNKS=12;c16=$B,FLASHMSA_BWD_CHUNKS=16"
+#      CONFIGS="m3_64k:--seqlen 65536;m3_32k:--seqlen 32768;m3_128k:--seqlen 131072" CHECK=0 OUT=$OUT bash scripts/gpu_ab.sh
+#      (~35 s on the H100). If the H200 gains too, drop the bandwidth condition in backward_chunk_tokens and
+#      take a record (gpu_check.sh; the step needs 48.35 ms for 50% of 802 TFLOP/s).
+#   2. the record's stages on the H200 with HEAD's bundle (the default's new code path has run on no GPU
+#      yet: its chunk counts ran through FLASHMSA_BWD_CHUNKS on the old binary, checked against fp64).
+#   For an A/B of builds, use the ab mode
 #   above. A call that must run on an H200 checks the card first (a call for nvidia-h200 may get an H100):
 #   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || exit 3
 set -uo pipefail
