@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The next device session's calls (as of the forty-third session).
+# The next device session's calls (the modes; the next calls themselves are listed below).
 #   bash scripts/gpu_next.sh          a full record on main's build (the GPU suite, the 47-test memcheck,
 #                                     racecheck of the mma.sync paths, the PyTorch CUDA tests, the main job, the
 #                                     scale runs, the benchmark over every config). Build first:

@@ -293,12 +293,12 @@ bool alternate_waves(const MsaParams& p) {
 }
 
 // Tokens per chunk of the token-row wgmma backward's lists (FoldArgs::n_chunks; 0: whole lists).
-// Fast mode's default follows the card's DRAM bandwidth: smaller chunks keep more of the dQ rows'
-// read-modify-writes in L2 and pay more dK / dV partial adds and per-CTA starts, so the slower the DRAM,
-// the smaller the best chunk.
+// Fast mode's default follows the card's DRAM bandwidth. Smaller chunks pay more dK / dV partial adds
+// and per-CTA starts, and (the likely reason, not profiled) keep more of the dQ rows' read-modify-writes
+// in L2, which weighs more on a slower DRAM.
 //  - below 4.2 TB/s (H100: 3.35) from 32k tokens (the range measured): T / 16 (H100 with the own-block
 //    pass, forty-eighth session, bench/results/h100_bwd_chunk_counts_ab.log: backward m3/64k 41.8 -> 38.4-38.5
-//    ms against T / 4, 32k 18.3-18.6 -> 17.4 against T / 5; 2048-token chunks at 64k 41.0);
+//    ms against T / 4, 32k 18.3-18.4 -> 17.4 against T / 5; 2048-token chunks at 64k 41.0);
 //  - else (H200, and shorter sequences): T / 5 below 64k tokens, T / 4 from there, none under 4096
 //    tokens a chunk (H200 before the own-block pass, m3 32k / 64k / 128k: -0.15..-0.35 / -0.9..-1.45 /
 //    -1.6..-2.4 ms, bench/results/h200_bwd_chunk_counts_table.txt and h200_bwd_chunks_default_ab.log;
