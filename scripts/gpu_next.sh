@@ -18,16 +18,15 @@
 # refused; the forty-eighth got no H200 either):
 #   1. the backward's chunk count on an H200 since the own-block pass. On the H100 T / 16 beat T / 4 by
 #      3.4 ms at m3/64k (bench/results/h100_bwd_chunk_counts_ab.log), and cards under 4.2 TB/s now take
-#      it by default; the H200 keeps T / 4 .. T / 5, measured before the pass. Same binary, no rebuild:
-#      B=scratch-gpu/flashmsa_run VARIANTS="c4=$B,FLASHMSA_BWD_CHUNKS=4;c8=$B,FLASHMSA_BWD_CHUNKS=8;c12=$B,FLASHMSA_BWD_CHUNKS=12;c16=$B,FLASHMSA_BWD_CHUNKS=16"
-#      CONFIGS="m3_64k:--seqlen 65536;m3_32k:--seqlen 32768;m3_128k:--seqlen 131072" CHECK=0 OUT=$OUT bash scripts/gpu_ab.sh
-#      (~35 s on the H100). If the H200 gains too, drop the bandwidth condition in backward_chunk_tokens and
-#      take a record (gpu_check.sh; the step needs 48.35 ms for 50% of 802 TFLOP/s). That change is ready
-#      on branch exp/chunks16-all (T / 16 from 32k on every card): build it as a second bundle
-#      (git checkout exp/chunks16-all && bash scripts/build_gpu_bundle.sh && mv scratch-gpu scratch-c16;
-#      then main's again), carry both, and add "b16=scratch-c16/flashmsa_run" to VARIANTS so its default
-#      path runs beside the env sweep; add fm16k ("--seqlen 16384 --heads 16 --kv-heads 2") with
-#      FLASHMSA_BWD_CHUNKS=2 / 4: chunks have never been timed below 32k since the own-block pass.
+#      it by default; the H200 keeps T / 4 .. T / 5, measured before the pass. Branch exp/chunks16-all
+#      (T / 16 from 32k on every card) is the change to land if the H200 gains too; build it as a second
+#      bundle (git checkout exp/chunks16-all && bash scripts/build_gpu_bundle.sh && mv scratch-gpu
+#      scratch-c16, then main's bundle again), carry ["scratch-gpu", "scratch-c16"], and run (~4 min;
+#      fm16k: chunks never timed below 32k since the pass; b16: the branch's default path, checked once):
+#      B=scratch-gpu/flashmsa_run C=scratch-c16/flashmsa_run VARIANTS="def=$B;c8=$B,FLASHMSA_BWD_CHUNKS=8;c12=$B,FLASHMSA_BWD_CHUNKS=12;c16=$B,FLASHMSA_BWD_CHUNKS=16;b16=$C"
+#      CONFIGS="m3_64k:--seqlen 65536;m3_32k:--seqlen 32768;m3_128k:--seqlen 131072;fm16k:--seqlen 16384 --heads 16 --kv-heads 2"
+#      CHECK=0 OUT=$OUT/sweep bash scripts/gpu_ab.sh, then VARIANTS="b16=$C" CONFIGS=m3_64k:--seqlen\ 65536 ROUNDS=1 OUT=$OUT/checked bash scripts/gpu_ab.sh.
+#      Then take a record (gpu_check.sh; the step needs 48.35 ms for 50% of 802 TFLOP/s).
 #   2. the record's stages on the H200 with HEAD's bundle (the default's new code path has run on no GPU
 #      yet: its chunk counts ran through FLASHMSA_BWD_CHUNKS on the old binary, checked against fp64).
 #   For an A/B of builds, use the ab mode
