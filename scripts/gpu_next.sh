@@ -38,6 +38,33 @@ mode=${1:-record}
 if [ "$mode" = record ]; then
   exec bash scripts/gpu_check.sh  # its stages: $STAGES, else all
 fi
+if [ "$mode" = chunks ]; then
+  # Item 1 below on whichever card came: carry ["scratch-gpu", "scratch-c16"] (main's bundle and
+  # exp/chunks16-all's). An H200 sweeps the counts; an H100 checks HEAD's default (bandwidth rule: T / 16
+  # there from 32k) against 4 and 16 chunks, sweeps 16k, and runs the GPU suite.
+  OUT=${OUT:-/tmp/flashmsa-next}
+  B=scratch-gpu/flashmsa_run C=scratch-c16/flashmsa_run
+  for b in $B $C scratch-gpu/flashmsa_gpu_tests; do [ -x "$b" ] || { xz -d -k -T8 "$b.xz" && chmod +x "$b"; }; done
+  card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
+  echo "card: $card"
+  if [[ $card == *H200* ]]; then
+    VARIANTS="def=$B;c8=$B,FLASHMSA_BWD_CHUNKS=8;c12=$B,FLASHMSA_BWD_CHUNKS=12;c16=$B,FLASHMSA_BWD_CHUNKS=16;b16=$C" \
+      CONFIGS="m3_64k:--seqlen 65536;m3_32k:--seqlen 32768;m3_128k:--seqlen 131072;fm16k:--seqlen 16384 --heads 16 --kv-heads 2" \
+      ROUNDS=2 CHECK=0 OUT=$OUT/sweep timeout 400 bash scripts/gpu_ab.sh | tail -n 30
+    VARIANTS="b16=$C;def=$B" CONFIGS="m3_64k:--seqlen 65536" ROUNDS=1 CHECK=1 OUT=$OUT/checked \
+      timeout 60 bash scripts/gpu_ab.sh | tail -n 5
+  else
+    VARIANTS="def=$B;c4=$B,FLASHMSA_BWD_CHUNKS=4;c16=$B,FLASHMSA_BWD_CHUNKS=16" \
+      CONFIGS="m3_64k:--seqlen 65536;m3_32k:--seqlen 32768" ROUNDS=1 CHECK=1 OUT=$OUT/default \
+      timeout 150 bash scripts/gpu_ab.sh | tail -n 12
+    VARIANTS="def=$B;c2=$B,FLASHMSA_BWD_CHUNKS=2;c4=$B,FLASHMSA_BWD_CHUNKS=4;c8=$B,FLASHMSA_BWD_CHUNKS=8" \
+      CONFIGS="m3_16k:--seqlen 16384;fm16k:--seqlen 16384 --heads 16 --kv-heads 2" ROUNDS=2 CHECK=0 \
+      OUT=$OUT/sweep16k timeout 150 bash scripts/gpu_ab.sh | tail -n 14
+    timeout 200 scratch-gpu/flashmsa_gpu_tests --gtest_brief=1 > "$OUT/gpu_tests.log" 2>&1
+    echo "GPU suite: exit $?"; grep -E "FAILED|PASSED" "$OUT/gpu_tests.log" | tail -n 8
+  fi
+  exit 0
+fi
 OUT=${OUT:-/tmp/flashmsa-next}
 mkdir -p "$OUT"
 D=${AB_DIR:?AB_DIR: the directory build_variants.sh wrote}
