@@ -39,53 +39,31 @@ if [ "$mode" = record ]; then
   exec bash scripts/gpu_check.sh  # its stages: $STAGES, else all
 fi
 if [ "$mode" = chunks ]; then
-  # Item 1 below on whichever card came: carry ["scratch-gpu", "scratch-c16", "scratch-m16"] (main's
-  # bundle, exp/chunks16-all's, and main with that branch merged, built from branch land-c16). An H200
-  # sweeps the counts; an H100 checks HEAD's default (bandwidth rule: T / 16 there from 32k) against 4
-  # and 16 chunks, sweeps 16k, and runs the GPU suite.
+  # Item 1 below on whichever card came: carry ["scratch-gpu", "scratch-cand"] (main's bundle, and
+  # branch land-chunks' built by build_gpu_bundle.sh and moved there). An H200 sweeps the counts at
+  # 64k / 32k / 16k and fm16k, checks the candidate's default path, and takes its benchmark and GPU
+  # suite; an H100 only checks the candidate's default path beside main's.
   OUT=${OUT:-/tmp/flashmsa-next}
-  B=scratch-gpu/flashmsa_run C=scratch-c16/flashmsa_run
-  for b in $B $C scratch-gpu/flashmsa_gpu_tests; do [ -x "$b" ] || { xz -d -k -T8 "$b.xz" && chmod +x "$b"; }; done
+  B=scratch-gpu/flashmsa_run K=scratch-cand/flashmsa_run
+  for b in $B scratch-gpu/flashmsa_gpu_tests; do [ -x "$b" ] || { xz -d -k -T8 "$b.xz" && chmod +x "$b"; }; done
   card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
   echo "card: $card"
   if [[ $card == *H200* ]]; then
-    VARIANTS="def=$B;c8=$B,FLASHMSA_BWD_CHUNKS=8;c12=$B,FLASHMSA_BWD_CHUNKS=12;c16=$B,FLASHMSA_BWD_CHUNKS=16;b16=$C" \
-      CONFIGS="m3_64k:--seqlen 65536;m3_32k:--seqlen 32768;m3_128k:--seqlen 131072;fm16k:--seqlen 16384 --heads 16 --kv-heads 2" \
-      ROUNDS=2 CHECK=0 OUT=$OUT/sweep timeout 400 bash scripts/gpu_ab.sh | tail -n 30
-    VARIANTS="b16=$C" CONFIGS="m3_64k:--seqlen 65536" ROUNDS=1 CHECK=1 OUT=$OUT/checked \
-      timeout 60 bash scripts/gpu_ab.sh | tail -n 3
-    # A landing candidate's bundle (scratch-m16: main with exp/chunks16-all merged), if carried: its
-    # benchmark and GPU suite in the same call when b16's m3/64k step beat the default by 0.3 ms.
-    gain=$(python3 - "$OUT/sweep/ab.log" <<'EOF'
-import re, sys
-t, key = {}, None
-for line in open(sys.argv[1]):
-    m = re.match(r"== round \d+ \| (\S+) \| (\S+)", line)
-    if m: key = m.groups(); continue
-    m = re.match(r"training step\s+([0-9.]+)", line)
-    if m and key: t.setdefault(key, []).append(float(m.group(1)))
-d, b = t.get(("m3_64k", "def")), t.get(("m3_64k", "b16"))
-print("%.2f" % (min(d) - min(b)) if d and b else "nan")
-EOF
-)
-    echo "b16 m3/64k step gain over def: $gain ms"
-    if [ -f scratch-m16/COMMIT ] && python3 -c "import sys; sys.exit(0 if float('$gain') >= 0.3 else 1)"; then
-      left=$((585 - SECONDS))
-      BIN=scratch-m16 STAGES=bench BENCH_TIMEOUT=$((left > 260 ? left - 140 : left - 20)) OUT=$OUT/m16 \
-        bash scripts/gpu_check.sh | tail -n 30
-      left=$((585 - SECONDS))
-      [ $left -gt 30 ] && timeout $((left - 10)) scratch-m16/flashmsa_gpu_tests --gtest_brief=1 > "$OUT/m16/gpu_tests.log" 2>&1
-      echo "m16 GPU suite: exit $? (left ${left}s)"; grep -E "FAILED|PASSED" "$OUT/m16/gpu_tests.log" | tail -n 8
-    fi
-  else
-    VARIANTS="def=$B;c4=$B,FLASHMSA_BWD_CHUNKS=4;c16=$B,FLASHMSA_BWD_CHUNKS=16" \
-      CONFIGS="m3_64k:--seqlen 65536;m3_32k:--seqlen 32768" ROUNDS=1 CHECK=1 OUT=$OUT/default \
-      timeout 150 bash scripts/gpu_ab.sh | tail -n 12
-    VARIANTS="def=$B;c2=$B,FLASHMSA_BWD_CHUNKS=2;c4=$B,FLASHMSA_BWD_CHUNKS=4;c8=$B,FLASHMSA_BWD_CHUNKS=8" \
-      CONFIGS="m3_16k:--seqlen 16384;fm16k:--seqlen 16384 --heads 16 --kv-heads 2" ROUNDS=2 CHECK=0 \
-      OUT=$OUT/sweep16k timeout 150 bash scripts/gpu_ab.sh | tail -n 14
-    timeout 200 scratch-gpu/flashmsa_gpu_tests --gtest_brief=1 > "$OUT/gpu_tests.log" 2>&1
-    echo "GPU suite: exit $?"; grep -E "FAILED|PASSED" "$OUT/gpu_tests.log" | tail -n 8
+    VARIANTS="def=$B;c8=$B,FLASHMSA_BWD_CHUNKS=8;c16=$B,FLASHMSA_BWD_CHUNKS=16;cand=$K" \
+      CONFIGS="m3_64k:--seqlen 65536;m3_32k:--seqlen 32768;m3_16k:--seqlen 16384;fm16k:--seqlen 16384 --heads 16 --kv-heads 2" \
+      ROUNDS=2 CHECK=0 OUT=$OUT/sweep timeout 300 bash scripts/gpu_ab.sh | tail -n 22
+    VARIANTS="cand=$K" CONFIGS="m3_64k:--seqlen 65536;fm16k:--seqlen 16384 --heads 16 --kv-heads 2" ROUNDS=1 \
+      CHECK=1 OUT=$OUT/checked timeout 60 bash scripts/gpu_ab.sh | tail -n 5
+    left=$((585 - SECONDS))
+    BIN=scratch-cand STAGES=bench BENCH_TIMEOUT=$((left > 260 ? left - 140 : left - 20)) OUT=$OUT/cand \
+      bash scripts/gpu_check.sh | tail -n 30
+    left=$((585 - SECONDS))
+    [ $left -gt 30 ] && timeout $((left - 10)) scratch-cand/flashmsa_gpu_tests --gtest_brief=1 > "$OUT/cand/gpu_tests.log" 2>&1
+    echo "candidate's GPU suite: exit $? (left ${left}s)"; grep -E "FAILED|PASSED" "$OUT/cand/gpu_tests.log" | tail -n 8
+  else  # done on an H100 in the fiftieth session (h100_default_chunks_ab.log, h100_chunks16k_sweep_ab.log):
+    # only the candidate's default path, checked, beside main's
+    VARIANTS="cand=$K;def=$B" CONFIGS="m3_64k:--seqlen 65536;m3_16k:--seqlen 16384;fm16k:--seqlen 16384 --heads 16 --kv-heads 2" \
+      ROUNDS=1 CHECK=1 OUT=$OUT/cand_h100 timeout 150 bash scripts/gpu_ab.sh | tail -n 12
   fi
   exit 0
 fi
