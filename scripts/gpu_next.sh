@@ -40,26 +40,25 @@ if [ "$mode" = record ]; then
 fi
 if [ "$mode" = chunks ]; then
   # Item 1 below on whichever card came: carry ["scratch-gpu", "scratch-cand"] (main's bundle, and
-  # branch land-chunks' built by build_gpu_bundle.sh and moved there). An H200 sweeps the counts at
-  # 64k / 32k / 16k and fm16k, checks the candidate's default path, and takes its benchmark and GPU
-  # suite; an H100 only checks the candidate's default path beside main's.
+  # branch land-chunks' built by build_gpu_bundle.sh and moved there). An H200 checks the candidate's default path,
+  # takes its benchmark, sweeps the counts at 64k / 32k / 16k and fm16k on main's bundle, and runs
+  # the candidate's suite if time is left; an H100 only checks the candidate's default path beside main's.
   OUT=${OUT:-/tmp/flashmsa-next}
   B=scratch-gpu/flashmsa_run K=scratch-cand/flashmsa_run
   for b in $B scratch-gpu/flashmsa_gpu_tests; do [ -x "$b" ] || { xz -d -k -T8 "$b.xz" && chmod +x "$b"; }; done
   card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
   echo "card: $card"
   if [[ $card == *H200* ]]; then
-    # END_S: the call's limit in seconds (the candidate's suite, whose shapes are below its chunked range,
-    # runs only with time to spare).
+    # END_S: the call's limit in seconds. The candidate first (its default path checked, then its
+    # benchmark), then the sweep on main's bundle in the time left (gpu_ab.sh's log comes back if cut);
+    # the candidate's suite (its shapes lie below the chunked range) only with time to spare.
     END=${END_S:-585}
-    VARIANTS="def=$B;c8=$B,FLASHMSA_BWD_CHUNKS=8;c16=$B,FLASHMSA_BWD_CHUNKS=16" \
-      CONFIGS="m3_64k:--seqlen 65536;m3_32k:--seqlen 32768;m3_16k:--seqlen 16384;fm16k:--seqlen 16384 --heads 16 --kv-heads 2" \
-      ROUNDS=2 CHECK=0 OUT=$OUT/sweep timeout $((END / 2)) bash scripts/gpu_ab.sh | tail -n 18
     VARIANTS="cand=$K" CONFIGS="m3_64k:--seqlen 65536;fm16k:--seqlen 16384 --heads 16 --kv-heads 2" ROUNDS=1 \
       CHECK=1 OUT=$OUT/checked timeout 60 bash scripts/gpu_ab.sh | tail -n 5
-    left=$((END - SECONDS))
-    BIN=scratch-cand STAGES=bench BENCH_TIMEOUT=$((left > 300 ? left - 160 : left - 15)) OUT=$OUT/cand \
-      bash scripts/gpu_check.sh | tail -n 30
+    BIN=scratch-cand STAGES=bench BENCH_TIMEOUT=200 OUT=$OUT/cand bash scripts/gpu_check.sh | tail -n 30
+    VARIANTS="def=$B;c8=$B,FLASHMSA_BWD_CHUNKS=8;c16=$B,FLASHMSA_BWD_CHUNKS=16" \
+      CONFIGS="m3_64k:--seqlen 65536;fm16k:--seqlen 16384 --heads 16 --kv-heads 2;m3_16k:--seqlen 16384;m3_32k:--seqlen 32768" \
+      ROUNDS=2 CHECK=0 OUT=$OUT/sweep timeout $((END - SECONDS - 10)) bash scripts/gpu_ab.sh | tail -n 18
     left=$((END - SECONDS))
     [ $left -gt 150 ] && timeout $((left - 10)) scratch-cand/flashmsa_gpu_tests --gtest_brief=1 > "$OUT/cand/gpu_tests.log" 2>&1
     echo "candidate's GPU suite: exit $? (left ${left}s)"; grep -E "FAILED|PASSED" "$OUT/cand/gpu_tests.log" | tail -n 8
