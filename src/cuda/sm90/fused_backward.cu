@@ -296,9 +296,11 @@ bool alternate_waves(const MsaParams& p) {
 // Fast mode's default follows the card's DRAM bandwidth. Smaller chunks pay more dK / dV partial adds
 // and per-CTA starts, and (the likely reason, not profiled) keep more of the dQ rows' read-modify-writes
 // in L2, which weighs more on a slower DRAM.
-//  - below 4.2 TB/s (H100: 3.35) from 32k tokens (the range measured): T / 16 (H100 with the own-block
-//    pass, forty-eighth session, bench/results/h100_bwd_chunk_counts_ab.log: backward m3/64k 41.8 -> 38.4-38.5
-//    ms against T / 4, 32k 18.3-18.4 -> 17.4 against T / 5; 2048-token chunks at 64k 41.0);
+//  - below 4.2 TB/s (H100: 3.35): T / 16 from 32k tokens, T / 8 from 16k (the range measured; H100 with
+//    the own-block pass, forty-eighth session, bench/results/h100_bwd_chunk_counts_ab.log: backward m3/64k
+//    41.8 -> 38.4-38.5 ms against T / 4, 32k 18.3-18.4 -> 17.4 against T / 5; 2048-token chunks at 64k
+//    41.0; fiftieth, h100_chunks16k_sweep_ab.log: m3/16k 11.0 -> 8.0 against none, fm16k 3.78 -> 3.17 with
+//    any count, since chunks bring the own-block pass);
 //  - else (H200, and shorter sequences): T / 5 below 64k tokens, T / 4 from there, none under 4096
 //    tokens a chunk (H200 before the own-block pass, m3 32k / 64k / 128k: -0.15..-0.35 / -0.9..-1.45 /
 //    -1.6..-2.4 ms, bench/results/h200_bwd_chunk_counts_table.txt and h200_bwd_chunks_default_ab.log;
@@ -317,8 +319,13 @@ int backward_chunk_tokens(int64_t T, bool det) {
   if (det) return 0;
   int device = 0;
   FLASHMSA_CUDA_CHECK(cudaGetDevice(&device));
-  const double dram = dram_peak_bytes_per_s(device);  // 0 where the driver does not say: the H200 rule
-  if (dram > 0 && dram < 4.2e12 && T >= 32768) return static_cast<int>((T + 15) / 16);
+  // 0 where the driver does not say (the H200 rule); on an H100 under CUDA 13 it gives the H100 rule (the
+  // default's chunk-bound workspace matched 16 chunks' at 64k and 32k: h100_default_chunks_ab.log).
+  const double dram = dram_peak_bytes_per_s(device);
+  if (dram > 0 && dram < 4.2e12 && T >= 16384) {
+    const int64_t count = T >= 32768 ? 16 : 8;
+    return static_cast<int>((T + count - 1) / count);
+  }
   const int64_t count = T >= 65536 ? 4 : 5, chunk = (T + count - 1) / count;
   return chunk >= 4096 ? static_cast<int>(chunk) : 0;
 }
