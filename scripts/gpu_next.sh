@@ -14,21 +14,20 @@
 #                                     e.g. with
 #     bash scripts/build_variants.sh ab21 main=main x=exp/some-branch:tests
 #     and carry ["ab21"]: AB_DIR=ab21 TEST_FILTER='CudaBackward.*:CudaGraph.*' bash scripts/gpu_next.sh ab
-# Next (as of the forty-ninth session, which got no machine at all: every H200 and H100 start failed or was
-# refused; the forty-eighth got no H200 either):
+# Next (as of the fiftieth session, whose two machines were H100s: main's default chunk path checked there,
+# a 16k / 128k chunk sweep, and the H100 rule extended to 16k in 558ee8a; no H200 for three sessions):
 #   1. the backward's chunk count on an H200 since the own-block pass. On the H100 T / 16 beat T / 4 by
-#      3.4 ms at m3/64k (bench/results/h100_bwd_chunk_counts_ab.log), and cards under 4.2 TB/s now take
-#      it by default; the H200 keeps T / 4 .. T / 5, measured before the pass. Branch exp/chunks16-all
-#      (T / 16 from 32k on every card) is the change to land if the H200 gains too; build it as a second
-#      bundle (git checkout exp/chunks16-all && bash scripts/build_gpu_bundle.sh && mv scratch-gpu
-#      scratch-c16, then main's bundle again), carry ["scratch-gpu", "scratch-c16"], and run (~4 min;
-#      fm16k: chunks never timed below 32k since the pass; b16: the branch's default path, checked once):
-#      B=scratch-gpu/flashmsa_run C=scratch-c16/flashmsa_run VARIANTS="def=$B;c8=$B,FLASHMSA_BWD_CHUNKS=8;c12=$B,FLASHMSA_BWD_CHUNKS=12;c16=$B,FLASHMSA_BWD_CHUNKS=16;b16=$C"
-#      CONFIGS="m3_64k:--seqlen 65536;m3_32k:--seqlen 32768;m3_128k:--seqlen 131072;fm16k:--seqlen 16384 --heads 16 --kv-heads 2"
-#      CHECK=0 OUT=$OUT/sweep bash scripts/gpu_ab.sh, then VARIANTS="b16=$C" CONFIGS=m3_64k:--seqlen\ 65536 ROUNDS=1 OUT=$OUT/checked bash scripts/gpu_ab.sh.
-#      Then take a record (gpu_check.sh; the step needs 48.35 ms for 50% of 802 TFLOP/s).
-#   2. the record's stages on the H200 with HEAD's bundle (the default's new code path has run on no GPU
-#      yet: its chunk counts ran through FLASHMSA_BWD_CHUNKS on the old binary, checked against fp64).
+#      3.4 ms at m3/64k, T / 8 beat none by 3.0 ms at m3/16k, and any count beat none by 0.6 ms at fm16k
+#      (the own-block pass comes with chunks): step 5.08 -> 4.42 there. The H200 still takes T / 4 .. T / 5
+#      from 20k tokens, none below, measured before the pass. Branch exp/chunks-all-cards (7654164: the H100
+#      rule on every card) is the change to land if the H200 gains too (fm16k's 3.6 ms goal: 4.06 now).
+#      Bundles: main's (bash scripts/build_gpu_bundle.sh) in scratch-gpu and the branch's moved to
+#      scratch-cand (git checkout exp/chunks-all-cards && bash scripts/build_gpu_bundle.sh && mv scratch-gpu
+#      scratch-cand && git checkout main && bash scripts/build_gpu_bundle.sh); carry ["scratch-gpu",
+#      "scratch-cand"] and run END_S=560 bash scripts/gpu_next.sh chunks (timeout_s 580): the candidate's
+#      default checked at 64k and fm16k, its benchmark (a record if it lands), main's sweep of 8 / 16 chunks
+#      at 64k / fm16k / 16k / 32k, the candidate's suite with time to spare.
+#   2. the record's other stages on the H200 with HEAD's bundle (tests, sanitizer, python, main, scale).
 #   For an A/B of builds, use the ab mode
 #   above. A call that must run on an H200 checks the card first (a call for nvidia-h200 may get an H100):
 #   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || exit 3
@@ -39,10 +38,10 @@ if [ "$mode" = record ]; then
   exec bash scripts/gpu_check.sh  # its stages: $STAGES, else all
 fi
 if [ "$mode" = chunks ]; then
-  # Item 1 below on whichever card came: carry ["scratch-gpu", "scratch-cand"] (main's bundle, and
-  # branch land-chunks' built by build_gpu_bundle.sh and moved there). An H200 checks the candidate's default path,
-  # takes its benchmark, sweeps the counts at 64k / 32k / 16k and fm16k on main's bundle, and runs
-  # the candidate's suite if time is left; an H100 only checks the candidate's default path beside main's.
+  # Item 1 above on whichever card came: carry ["scratch-gpu", "scratch-cand"] (main's bundle, and
+  # exp/chunks-all-cards' moved there). An H200 checks the candidate's default path, takes its
+  # benchmark, sweeps the counts at 64k / 32k / 16k and fm16k on main's bundle, and runs the
+  # candidate's suite if time is left; an H100 only checks the candidate's default path beside main's.
   OUT=${OUT:-/tmp/flashmsa-next}
   B=scratch-gpu/flashmsa_run K=scratch-cand/flashmsa_run
   for b in $B scratch-gpu/flashmsa_gpu_tests; do [ -x "$b" ] || { xz -d -k -T8 "$b.xz" && chmod +x "$b"; }; done
@@ -62,8 +61,8 @@ if [ "$mode" = chunks ]; then
     left=$((END - SECONDS))
     [ $left -gt 150 ] && timeout $((left - 10)) scratch-cand/flashmsa_gpu_tests --gtest_brief=1 > "$OUT/cand/gpu_tests.log" 2>&1
     echo "candidate's GPU suite: exit $? (left ${left}s)"; grep -E "FAILED|PASSED" "$OUT/cand/gpu_tests.log" | tail -n 8
-  else  # done on an H100 in the fiftieth session (h100_default_chunks_ab.log, h100_chunks16k_sweep_ab.log):
-    # only the candidate's default path, checked, beside main's
+  else  # done on an H100 in the fiftieth session (bench/results/h100_*chunks*): the candidate's default
+    # path (main's too, on an H100), checked, beside main's
     VARIANTS="cand=$K;def=$B" CONFIGS="m3_64k:--seqlen 65536;m3_16k:--seqlen 16384;fm16k:--seqlen 16384 --heads 16 --kv-heads 2" \
       ROUNDS=1 CHECK=1 OUT=$OUT/cand_h100 timeout 150 bash scripts/gpu_ab.sh | tail -n 12
   fi
