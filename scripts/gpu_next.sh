@@ -43,8 +43,7 @@ if [ "$mode" = chunks ]; then
   # benchmark, sweeps the counts at 64k / 32k / 16k and fm16k on main's bundle, and runs the
   # candidate's suite if time is left; an H100 only checks the candidate's default path beside main's.
   OUT=${OUT:-/tmp/flashmsa-next}
-  B=scratch-gpu/flashmsa_run K=scratch-cand/flashmsa_run
-  for b in $B scratch-gpu/flashmsa_gpu_tests; do [ -x "$b" ] || { xz -d -k -T8 "$b.xz" && chmod +x "$b"; }; done
+  B=scratch-gpu/flashmsa_run K=scratch-cand/flashmsa_run  # gpu_ab.sh / gpu_check.sh unpack the .xz
   card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
   echo "card: $card"
   if [[ $card == *H200* ]]; then
