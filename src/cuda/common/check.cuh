@@ -4,6 +4,8 @@
 
 #include <cuda_runtime.h>
 
+#include <map>
+#include <mutex>
 #include <string>
 
 #include "common/workspace_memory.h"
@@ -59,14 +61,24 @@ inline int sm_count(int device) {
 // Peak DRAM bandwidth of `device` in bytes per second (memory clock x bus width, double data rate):
 // H100 SXM ~3.35e12, H200 ~4.8e12. Tunings whose best point moves with it read this; 0 where the
 // driver does not report it (the query's error is cleared, so that no later launch check sees it).
+// Queried once per device: the memory clock query is a driver round trip that cost each backward call
+// ~0.65 ms on an H100 under CUDA 13 (default vs an explicit chunk count, same chunks:
+// bench/results/h100_default_chunks_ab.log, h100_query_cost_ab.log).
 inline double dram_peak_bytes_per_s(int device) {
+  static std::mutex mutex;
+  static std::map<int, double> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (const auto it = known.find(device); it != known.end()) return it->second;
   int khz = 0, bits = 0;
+  double bytes_per_s = 0.0;
   if (cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device) != cudaSuccess ||
       cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, device) != cudaSuccess) {
     (void)cudaGetLastError();
-    return 0.0;
+  } else {
+    bytes_per_s = 2.0 * 1e3 * khz * (bits / 8);
   }
-  return 2.0 * 1e3 * khz * (bits / 8);
+  known.emplace(device, bytes_per_s);
+  return bytes_per_s;
 }
 
 }  // namespace flashmsa::cuda
