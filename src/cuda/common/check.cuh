@@ -61,9 +61,9 @@ inline int sm_count(int device) {
 // Peak DRAM bandwidth of `device` in bytes per second (memory clock x bus width, double data rate):
 // H100 SXM ~3.35e12, H200 ~4.8e12. Tunings whose best point moves with it read this; 0 where the
 // driver does not report it (the query's error is cleared, so that no later launch check sees it).
-// Queried once per device: the memory clock query is a driver round trip that cost each backward call
-// ~0.65 ms on an H100 under CUDA 13 (default vs an explicit chunk count, same chunks:
-// bench/results/h100_default_chunks_ab.log, h100_query_cost_ab.log).
+// Queried once per device: the memory clock query is a driver round trip (0.35 ms a call on an H100
+// under CUDA 13, bench/results/h100_host_call_probe.log; the backward's default ran 0.56-0.73 ms behind
+// the same chunks forced by FLASHMSA_BWD_CHUNKS until it was cached: h100_query_cost_ab.log).
 inline double dram_peak_bytes_per_s(int device) {
   static std::mutex mutex;
   static std::map<int, double> known;
