@@ -46,6 +46,7 @@ if [ "$mode" = chunks ]; then
   B=scratch-gpu/flashmsa_run K=scratch-cand/flashmsa_run  # gpu_ab.sh / gpu_check.sh unpack the .xz
   card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
   echo "card: $card"
+  [ "${ONLY_H200:-0}" = 1 ] && [[ $card != *H200* ]] && { echo "not an H200 (ONLY_H200=1): nothing run"; exit 3; }
   # The runtime queries' host cost (the memory clock query cost each default backward ~0.65 ms).
   mkdir -p "$OUT" && nvcc -O2 -arch=sm_90a -o /tmp/host_call_probe bench/host_call_probe.cu &&
     /tmp/host_call_probe | tee "$OUT/host_call_probe.log"
