@@ -55,6 +55,12 @@ if [ "$mode" = chunks ]; then
     # benchmark), then the sweep on main's bundle in the time left (gpu_ab.sh's log comes back if cut);
     # the candidate's suite (its shapes lie below the chunked range) only with time to spare.
     END=${END_S:-585}
+    if [ "${QUICK:-0}" = 1 ]; then  # a short call: the candidate beside main's default and 8 chunks, checked
+      VARIANTS="cand=$K;def=$B;c8=$B,FLASHMSA_BWD_CHUNKS=8" \
+        CONFIGS="m3_64k:--seqlen 65536;fm16k:--seqlen 16384 --heads 16 --kv-heads 2;m3_16k:--seqlen 16384;m3_32k:--seqlen 32768" \
+        ROUNDS=1 CHECK=1 OUT=$OUT/quick timeout $((END - SECONDS - 5)) bash scripts/gpu_ab.sh | tail -n 18
+      exit 0
+    fi
     VARIANTS="cand=$K" CONFIGS="m3_64k:--seqlen 65536;fm16k:--seqlen 16384 --heads 16 --kv-heads 2" ROUNDS=1 \
       CHECK=1 OUT=$OUT/checked timeout 60 bash scripts/gpu_ab.sh | tail -n 5
     BIN=scratch-cand STAGES=bench BENCH_TIMEOUT=200 OUT=$OUT/cand bash scripts/gpu_check.sh | tail -n 30
