@@ -14,8 +14,9 @@
 #                                     e.g. with
 #     bash scripts/build_variants.sh ab21 main=main x=exp/some-branch:tests
 #     and carry ["ab21"]: AB_DIR=ab21 TEST_FILTER='CudaBackward.*:CudaGraph.*' bash scripts/gpu_next.sh ab
-# Next (as of the fiftieth session, whose two machines were H100s: main's default chunk path checked there,
-# a 16k / 128k chunk sweep, and the H100 rule extended to 16k in 558ee8a; no H200 for three sessions):
+# Next (as of the fifty-first session: no H200 for four sessions; its H100 calls found that the memory clock
+# query cost each default backward ~0.6 ms (now cached, 307d8fd); scratch-gpu must be rebuilt from a commit at
+# or after 7487f70 so that the sweep's default is fair):
 #   1. the backward's chunk count on an H200 since the own-block pass. On the H100 T / 16 beat T / 4 by
 #      3.4 ms at m3/64k, T / 8 beat none by 3.0 ms at m3/16k, and any count beat none by 0.6 ms at fm16k
 #      (the own-block pass comes with chunks): step 5.08 -> 4.42 there. The H200 still takes T / 4 .. T / 5
@@ -26,7 +27,9 @@
 #      scratch-cand && git checkout main && bash scripts/build_gpu_bundle.sh); carry ["scratch-gpu",
 #      "scratch-cand"] and run END_S=560 bash scripts/gpu_next.sh chunks (timeout_s 580): the candidate's
 #      default checked at 64k and fm16k, its benchmark (a record if it lands), main's sweep of 8 / 16 chunks
-#      at 64k / fm16k / 16k / 32k, the candidate's suite with time to spare.
+#      at 64k / fm16k / 16k / 32k, the candidate's suite with time to spare. ONLY_H200=1 returns at once
+#      on an H100 (its comparison is done: bench/results/h100_query_cost_ab.log); with less than ~300 s of
+#      device time, QUICK=1 END_S=190 runs only the candidate beside main's default and 8 chunks, checked.
 #   2. the record's other stages on the H200 with HEAD's bundle (tests, sanitizer, python, main, scale).
 #   For an A/B of builds, use the ab mode
 #   above. A call that must run on an H200 checks the card first (a call for nvidia-h200 may get an H100):
