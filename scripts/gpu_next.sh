@@ -15,7 +15,7 @@
 #     bash scripts/build_variants.sh ab21 main=main x=exp/some-branch:tests
 #     and carry ["ab21"]: AB_DIR=ab21 TEST_FILTER='CudaBackward.*:CudaGraph.*' bash scripts/gpu_next.sh ab
 # Next (as of the fifty-first session: no H200 for four sessions; its H100 calls found that the memory clock
-# query cost each default backward ~0.6 ms (now cached, 307d8fd); scratch-gpu must be rebuilt from a commit at
+# query cost each default backward ~0.6 ms (now cached, 7487f70); scratch-gpu must be rebuilt from a commit at
 # or after 7487f70 so that the sweep's default is fair):
 #   1. the backward's chunk count on an H200 since the own-block pass. On the H100 T / 16 beat T / 4 by
 #      3.4 ms at m3/64k, T / 8 beat none by 3.0 ms at m3/16k, and any count beat none by 0.6 ms at fm16k
