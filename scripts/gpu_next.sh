@@ -30,6 +30,8 @@
 #      at 64k / fm16k / 16k / 32k, the candidate's suite with time to spare. ONLY_H200=1 returns at once
 #      on an H100 (its comparison is done: bench/results/h100_query_cost_ab.log); with less than ~300 s of
 #      device time, QUICK=1 END_S=190 runs only the candidate beside main's default and 8 chunks, checked.
+#      If it lands: git merge exp/chunks-all-cards-on-main (f3d894c, the branch merged onto main with the
+#      cached query's conflict resolved), then README / design.md / perf-notes with the H200 figures.
 #   2. the record's other stages on the H200 with HEAD's bundle (tests, sanitizer, python, main, scale).
 #   For an A/B of builds, use the ab mode
 #   above. A call that must run on an H200 checks the card first (a call for nvidia-h200 may get an H100):
