@@ -1,7 +1,7 @@
 // Host cost of the CUDA runtime queries the library's launch paths make per call, in microseconds
 // per call (median of 101 after one warm-up call). Why: the backward's default chunk rule read the
-// memory clock on every call, and a default run was ~0.65 ms slower than the same chunks forced by
-// FLASHMSA_BWD_CHUNKS. Build and run on the GPU machine:
+// memory clock on every call, and a default backward ran 0.56-0.73 ms behind the same chunks forced by
+// FLASHMSA_BWD_CHUNKS (H100, bench/results/h100_host_call_probe.log). Build and run on the GPU machine:
 //   nvcc -O2 -arch=sm_90a -o /tmp/host_call_probe apps/host_call_probe.cu && /tmp/host_call_probe
 #include <cuda_runtime.h>
 

@@ -52,9 +52,6 @@ if [ "$mode" = chunks ]; then
   card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
   echo "card: $card"
   [ "${ONLY_H200:-0}" = 1 ] && [[ $card != *H200* ]] && { echo "not an H200 (ONLY_H200=1): nothing run"; exit 3; }
-  # The runtime queries' host cost (the memory clock query cost each default backward ~0.65 ms).
-  mkdir -p "$OUT" && nvcc -O2 -arch=sm_90a -o /tmp/host_call_probe apps/host_call_probe.cu &&
-    /tmp/host_call_probe | tee "$OUT/host_call_probe.log"
   if [[ $card == *H200* ]]; then
     # END_S: the call's limit in seconds. The candidate first (its default path checked, then its
     # benchmark), then the sweep on main's bundle in the time left (gpu_ab.sh's log comes back if cut);
