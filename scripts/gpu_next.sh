@@ -61,6 +61,10 @@ if [ "$mode" = chunks ]; then
       VARIANTS="cand=$K;def=$B;c8=$B,FLASHMSA_BWD_CHUNKS=8" \
         CONFIGS="m3_64k:--seqlen 65536;fm16k:--seqlen 16384 --heads 16 --kv-heads 2;m3_16k:--seqlen 16384;m3_32k:--seqlen 32768" \
         ROUNDS=1 CHECK=1 OUT=$OUT/quick timeout $((END - SECONDS - 5)) bash scripts/gpu_ab.sh | tail -n 18
+      # QUICK_BENCH=1: then the candidate's benchmark in the time left (a record if it lands)
+      left=$((END - SECONDS))
+      [ "${QUICK_BENCH:-0}" = 1 ] && [ $left -gt 120 ] && BIN=scratch-cand STAGES=bench BENCH_TIMEOUT=$((left - 15)) \
+        OUT=$OUT/cand bash scripts/gpu_check.sh | tail -n 30
       exit 0
     fi
     VARIANTS="cand=$K" CONFIGS="m3_64k:--seqlen 65536;fm16k:--seqlen 16384 --heads 16 --kv-heads 2" ROUNDS=1 \
