@@ -14,24 +14,14 @@
 #                                     e.g. with
 #     bash scripts/build_variants.sh ab21 main=main x=exp/some-branch:tests
 #     and carry ["ab21"]: AB_DIR=ab21 TEST_FILTER='CudaBackward.*:CudaGraph.*' bash scripts/gpu_next.sh ab
-# Next (as of the fifty-first session: no H200 for four sessions; its H100 calls found that the memory clock
-# query cost each default backward ~0.6 ms (now cached, 7487f70); scratch-gpu must be rebuilt from a commit at
-# or after 7487f70 so that the sweep's default is fair):
-#   1. the backward's chunk count on an H200 since the own-block pass. On the H100 T / 16 beat T / 4 by
-#      3.4 ms at m3/64k, T / 8 beat none by 3.0 ms at m3/16k, and any count beat none by 0.6 ms at fm16k
-#      (the own-block pass comes with chunks): step 5.08 -> 4.42 there. The H200 still takes T / 4 .. T / 5
-#      from 20k tokens, none below, measured before the pass. Branch exp/chunks-all-cards (7654164: the H100
-#      rule on every card) is the change to land if the H200 gains too (fm16k's 3.6 ms goal: 4.06 now).
-#      Bundles: main's (bash scripts/build_gpu_bundle.sh) in scratch-gpu and the branch's moved to
-#      scratch-cand (git checkout exp/chunks-all-cards && bash scripts/build_gpu_bundle.sh && mv scratch-gpu
-#      scratch-cand && git checkout main && bash scripts/build_gpu_bundle.sh); carry ["scratch-gpu",
-#      "scratch-cand"] and run END_S=560 bash scripts/gpu_next.sh chunks (timeout_s 580): the candidate's
-#      default checked at 64k and fm16k, its benchmark (a record if it lands), main's sweep of 8 / 16 chunks
-#      at 64k / fm16k / 16k / 32k, the candidate's suite with time to spare. ONLY_H200=1 returns at once
-#      on an H100 (its comparison is done: bench/results/h100_query_cost_ab.log); with less than ~300 s of
-#      device time, QUICK=1 END_S=190 runs only the candidate beside main's default and 8 chunks, checked.
-#      If it lands: git merge exp/chunks-all-cards-on-main (f3d894c, the branch merged onto main with the
-#      cached query's conflict resolved), then README / design.md / perf-notes with the H200 figures.
+#   bash scripts/gpu_next.sh rule     HEAD's chunk rule (T / 8 from 16k to 32k tokens on the H200, 2ee1f4c) beside
+#                                     the previous default: carry ["scratch-gpu", "scratch-main"] (HEAD's bundle,
+#                                     and 7487f70's in scratch-main), END_S=<limit>; an A/B at m3 16k / 24k / 32k
+#                                     / 64k, gqa8 16k (not yet run with chunks on an H200) and fm16k, checked,
+#                                     then HEAD's benchmark in the time left (the next record). ~4-5 min.
+# Next (as of the fifty-third session, which swept the backward's chunks on an H200: the H100's T / 16 loses
+# there at 64k, T / 8 gains from 16k to 32k, now the H200's default, measured with forced counts only):
+#   1. ONLY_H200=1 END_S=560 bash scripts/gpu_next.sh rule (timeout_s 580).
 #   2. the record's other stages on the H200 with HEAD's bundle (tests, sanitizer, python, main, scale).
 #   For an A/B of builds, use the ab mode
 #   above. A call that must run on an H200 checks the card first (a call for nvidia-h200 may get an H100):
@@ -42,45 +32,17 @@ mode=${1:-record}
 if [ "$mode" = record ]; then
   exec bash scripts/gpu_check.sh  # its stages: $STAGES, else all
 fi
-if [ "$mode" = chunks ]; then
-  # Item 1 above on whichever card came: carry ["scratch-gpu", "scratch-cand"] (main's bundle, and
-  # exp/chunks-all-cards' moved there). An H200 checks the candidate's default path, takes its
-  # benchmark, sweeps the counts at 64k / 32k / 16k and fm16k on main's bundle, and runs the
-  # candidate's suite if time is left; an H100 only checks the candidate's default path beside main's.
+if [ "$mode" = rule ]; then
   OUT=${OUT:-/tmp/flashmsa-next}
-  B=scratch-gpu/flashmsa_run K=scratch-cand/flashmsa_run  # gpu_ab.sh / gpu_check.sh unpack the .xz
   card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
   echo "card: $card"
   [ "${ONLY_H200:-0}" = 1 ] && [[ $card != *H200* ]] && { echo "not an H200 (ONLY_H200=1): nothing run"; exit 3; }
-  if [[ $card == *H200* ]]; then
-    # END_S: the call's limit in seconds. The candidate first (its default path checked, then its
-    # benchmark), then the sweep on main's bundle in the time left (gpu_ab.sh's log comes back if cut);
-    # the candidate's suite (its shapes lie below the chunked range) only with time to spare.
-    END=${END_S:-585}
-    if [ "${QUICK:-0}" = 1 ]; then  # a short call: the candidate beside main's default and 8 chunks, checked
-      VARIANTS="cand=$K;def=$B;c8=$B,FLASHMSA_BWD_CHUNKS=8" \
-        CONFIGS="m3_64k:--seqlen 65536;fm16k:--seqlen 16384 --heads 16 --kv-heads 2;m3_16k:--seqlen 16384;m3_32k:--seqlen 32768" \
-        ROUNDS=1 CHECK=1 OUT=$OUT/quick timeout $((END - SECONDS - 5)) bash scripts/gpu_ab.sh | tail -n 18
-      # QUICK_BENCH=1: then the candidate's benchmark in the time left (a record if it lands)
-      left=$((END - SECONDS))
-      [ "${QUICK_BENCH:-0}" = 1 ] && [ $left -gt 120 ] && BIN=scratch-cand STAGES=bench BENCH_TIMEOUT=$((left - 15)) \
-        OUT=$OUT/cand bash scripts/gpu_check.sh | tail -n 30
-      exit 0
-    fi
-    VARIANTS="cand=$K" CONFIGS="m3_64k:--seqlen 65536;fm16k:--seqlen 16384 --heads 16 --kv-heads 2" ROUNDS=1 \
-      CHECK=1 OUT=$OUT/checked timeout 60 bash scripts/gpu_ab.sh | tail -n 5
-    BIN=scratch-cand STAGES=bench BENCH_TIMEOUT=200 OUT=$OUT/cand bash scripts/gpu_check.sh | tail -n 30
-    VARIANTS="def=$B;c8=$B,FLASHMSA_BWD_CHUNKS=8;c16=$B,FLASHMSA_BWD_CHUNKS=16" \
-      CONFIGS="m3_64k:--seqlen 65536;fm16k:--seqlen 16384 --heads 16 --kv-heads 2;m3_16k:--seqlen 16384;m3_32k:--seqlen 32768" \
-      ROUNDS=2 CHECK=0 OUT=$OUT/sweep timeout $((END - SECONDS - 10)) bash scripts/gpu_ab.sh | tail -n 18
-    left=$((END - SECONDS))
-    [ $left -gt 150 ] && timeout $((left - 10)) scratch-cand/flashmsa_gpu_tests --gtest_brief=1 > "$OUT/cand/gpu_tests.log" 2>&1
-    echo "candidate's GPU suite: exit $? (left ${left}s)"; grep -E "FAILED|PASSED" "$OUT/cand/gpu_tests.log" | tail -n 8
-  else  # the candidate (no clock query) beside main's default (the query cached) and main with the same
-    # chunks forced (no query): the three should now read alike on an H100
-    VARIANTS="cand=$K;def=$B;c16=$B,FLASHMSA_BWD_CHUNKS=16" CONFIGS="m3_64k:--seqlen 65536;fm16k:--seqlen 16384 --heads 16 --kv-heads 2" \
-      ROUNDS=2 CHECK=1 OUT=$OUT/cand_h100 timeout 200 bash scripts/gpu_ab.sh | tail -n 12
-  fi
+  END=${END_S:-585}
+  VARIANTS="head=scratch-gpu/flashmsa_run;prev=scratch-main/flashmsa_run" \
+    CONFIGS="m3_16k:--seqlen 16384;gqa8_16k:--seqlen 16384 --heads 32 --kv-heads 4;m3_24k:--seqlen 24576;m3_32k:--seqlen 32768;fm16k:--seqlen 16384 --heads 16 --kv-heads 2;m3_64k:--seqlen 65536" \
+    ROUNDS=2 CHECK=1 OUT=$OUT/rule timeout $((END - SECONDS - 130)) bash scripts/gpu_ab.sh | tail -n 20
+  left=$((END - SECONDS))
+  [ $left -gt 120 ] && STAGES=bench BENCH_TIMEOUT=$((left - 15)) OUT=$OUT/head bash scripts/gpu_check.sh | tail -n 30
   exit 0
 fi
 OUT=${OUT:-/tmp/flashmsa-next}
