@@ -299,13 +299,13 @@ bool alternate_waves(const MsaParams& p) {
 //  - below 4.2 TB/s (H100: 3.35): T / 16 from 32k tokens, T / 8 from 16k (the range measured; H100 with
 //    the own-block pass, forty-eighth session, bench/results/h100_bwd_chunk_counts_ab.log: backward m3/64k
 //    41.8 -> 38.4-38.5 ms against T / 4, 32k 18.3-18.4 -> 17.4 against T / 5; 2048-token chunks at 64k
-//    41.0; fiftieth, h100_chunks16k_sweep_ab.log: m3/16k 11.0 -> 8.0 against none, fm16k 3.78 -> 3.17 with
-//    any count, since chunks bring the own-block pass);
+//    41.0; fiftieth, h100_chunks16k_sweep_ab.log: m3/16k 11.0 -> 8.0 against none);
 //  - else (H200): T / 8 from 16k to 32k tokens, T / 5 above, T / 4 from 64k, none below 16k. Swept with
 //    the own-block pass (fifty-third session, bench/results/h200_bwd_chunks_sweep53_*.log): T / 8 against
 //    the older rule's none / T / 5 at m3 16k / 20k / 24k / 32k: backward 8.98 -> 7.80, 10.31 -> 9.93,
-//    12.41 -> 12.08, 16.57 -> 16.47-16.58 ms; from 40k T / 4 .. T / 5 stay best (T / 8 +0.2..+0.4 ms at
-//    40k / 48k / 64k / 128k, T / 16 +1.5 at 64k: the H100 rule loses here); fm16k alike with any count.
+//    12.41 -> 12.08, 16.57 -> 16.47-16.58 ms; from 40k T / 4 .. T / 5 stay best (T / 8 +0.1..+0.4 ms at
+//    40k / 48k / 64k / 128k, T / 16 +1.5 at 64k: the H100 rule loses here); below 16k not swept.
+// Shapes off the token-row form (fm16k: Hp != Hkv) take no chunks whatever the count.
 // Deterministic mode: none by default (its int64 partial adds and the extra o / dO maxima cost more than
 // the chunks gain: +1.0 ms at m3/64k on the H200). FLASHMSA_BWD_CHUNK: tokens (0: none),
 // FLASHMSA_BWD_CHUNKS: a count, either mode; FLASHMSA_BWD_CHUNK_GROUPS: the proxy groups swept
@@ -316,19 +316,15 @@ int backward_chunk_tokens(int64_t T, bool det) {
     const int count = std::atoi(n);
     return count > 0 ? static_cast<int>((T + count - 1) / count) : 0;
   }
-  if (det) return 0;
+  if (det || T < 16384) return 0;
   int device = 0;
   FLASHMSA_CUDA_CHECK(cudaGetDevice(&device));
   // 0 where the driver does not say (the H200 rule); on an H100 under CUDA 13 it gives the H100 rule (the
   // default's chunk-bound workspace matched 16 chunks' at 64k and 32k: h100_default_chunks_ab.log).
   const double dram = dram_peak_bytes_per_s(device);
   const bool slow_dram = dram > 0 && dram < 4.2e12;
-  if (T >= 16384 && (slow_dram || T <= 32768)) {
-    const int64_t count = slow_dram && T >= 32768 ? 16 : 8;
-    return static_cast<int>((T + count - 1) / count);
-  }
-  const int64_t count = T >= 65536 ? 4 : 5, chunk = (T + count - 1) / count;
-  return chunk >= 4096 ? static_cast<int>(chunk) : 0;
+  const int64_t count = slow_dram ? (T >= 32768 ? 16 : 8) : T <= 32768 ? 8 : T < 65536 ? 5 : 4;
+  return static_cast<int>((T + count - 1) / count);
 }
 int chunk_groups(int Hp) {
   const char* v = std::getenv("FLASHMSA_BWD_CHUNK_GROUPS");
