@@ -19,6 +19,7 @@
 #                                     and 7487f70's in scratch-main), END_S=<limit>; an A/B at m3 16k / 24k / 32k
 #                                     / 64k, gqa8 16k (not yet run with chunks on an H200) and fm16k, checked,
 #                                     then HEAD's benchmark in the time left (the next record). ~4-5 min.
+#                                     RULE_CONFIGS (gpu_ab.sh's CONFIGS) narrows the A/B for a short call.
 # Next (as of the fifty-third session, which swept the backward's chunks on an H200: the H100's T / 16 loses
 # there at 64k, T / 8 gains from 16k to 32k, now the H200's default, measured with forced counts only):
 #   1. ONLY_H200=1 END_S=560 bash scripts/gpu_next.sh rule (timeout_s 580).
@@ -39,7 +40,7 @@ if [ "$mode" = rule ]; then
   [ "${ONLY_H200:-0}" = 1 ] && [[ $card != *H200* ]] && { echo "not an H200 (ONLY_H200=1): nothing run"; exit 3; }
   END=${END_S:-585}
   VARIANTS="head=scratch-gpu/flashmsa_run;prev=scratch-main/flashmsa_run" \
-    CONFIGS="m3_16k:--seqlen 16384;gqa8_16k:--seqlen 16384 --heads 32 --kv-heads 4;m3_24k:--seqlen 24576;m3_32k:--seqlen 32768;fm16k:--seqlen 16384 --heads 16 --kv-heads 2;m3_64k:--seqlen 65536" \
+    CONFIGS=${RULE_CONFIGS:-"m3_16k:--seqlen 16384;gqa8_16k:--seqlen 16384 --heads 32 --kv-heads 4;m3_24k:--seqlen 24576;m3_32k:--seqlen 32768;fm16k:--seqlen 16384 --heads 16 --kv-heads 2;m3_64k:--seqlen 65536"} \
     ROUNDS=2 CHECK=1 OUT=$OUT/rule timeout $((END - SECONDS - 130)) bash scripts/gpu_ab.sh | tail -n 20
   left=$((END - SECONDS))
   [ $left -gt 120 ] && STAGES=bench BENCH_TIMEOUT=$((left - 15)) OUT=$OUT/head bash scripts/gpu_check.sh | tail -n 30
