@@ -38,6 +38,7 @@
 #include <cstring>
 #include <string>
 
+#include "backward_chunk_rule.h"
 #include "common/check.cuh"
 #include "common/fixed_order_sum.cuh"
 #include "common/fixed_point.cuh"
@@ -316,15 +317,13 @@ int backward_chunk_tokens(int64_t T, bool det) {
     const int count = std::atoi(n);
     return count > 0 ? static_cast<int>((T + count - 1) / count) : 0;
   }
-  if (det || T < 16384) return 0;
+  if (det || T < 16384) return 0;  // before the device query: a driver round trip
   int device = 0;
   FLASHMSA_CUDA_CHECK(cudaGetDevice(&device));
   // 0 where the driver does not say (the H200 rule); on an H100 under CUDA 13 it gives the H100 rule (the
   // default's chunk-bound workspace matched 16 chunks' at 64k and 32k: h100_default_chunks_ab.log).
-  const double dram = dram_peak_bytes_per_s(device);
-  const bool slow_dram = dram > 0 && dram < 4.2e12;
-  const int64_t count = slow_dram ? (T >= 32768 ? 16 : 8) : T <= 32768 ? 8 : T < 65536 ? 5 : 4;
-  return static_cast<int>((T + count - 1) / count);
+  const int64_t count = default_backward_chunk_count(T, det, dram_peak_bytes_per_s(device));
+  return count > 0 ? static_cast<int>((T + count - 1) / count) : 0;
 }
 int chunk_groups(int Hp) {
   const char* v = std::getenv("FLASHMSA_BWD_CHUNK_GROUPS");
