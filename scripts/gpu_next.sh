@@ -24,7 +24,7 @@
 # there at 64k, T / 8 gains from 16k to 32k, now the H200's default, measured with forced counts only):
 #   1. ONLY_H200=1 END_S=560 bash scripts/gpu_next.sh rule (timeout_s 580).
 #      (fifty-fourth session: no H200 came; HEAD's suite, memcheck, racecheck and main job passed on H100s.)
-#      (fifty-fifth session: none again: five starts found no machine, five got H100s; one ran HEAD's benchmark.)
+#      (fifty-fifth session: none again: six of eleven starts found no machine, five got H100s; one ran HEAD's benchmark.)
 #   2. the record's other stages on the H200 with HEAD's bundle (tests, sanitizer, python, main, scale).
 #   For an A/B of builds, use the ab mode
 #   above. A call that must run on an H200 checks the card first (a call for nvidia-h200 may get an H100):
