@@ -317,7 +317,6 @@ int backward_chunk_tokens(int64_t T, bool det) {
     const int count = std::atoi(n);
     return count > 0 ? static_cast<int>((T + count - 1) / count) : 0;
   }
-  if (det || T < 16384) return 0;  // before cudaGetDevice and the DRAM query
   int device = 0;
   FLASHMSA_CUDA_CHECK(cudaGetDevice(&device));
   // 0 where the driver does not say (the H200 rule); on an H100 under CUDA 13 it gives the H100 rule (the
