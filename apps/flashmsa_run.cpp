@@ -37,7 +37,7 @@ struct Config {
   int batch = 1, seqlen = 0;
   int H = 64, Hkv = 4, Hp = 4, Hpk = 1, D = 128, Dv = 128, Dp = 128;
   int block = 128, topk = 16, local_blocks = 1, threads = 0, iters = 0, check_tokens = 6,
-      check_keys = 2;
+      check_keys = 2, sink_blocks = 0;
   float kl_coeff = 1.f;
   bool deterministic = false, full_check = false, quiet = false, forward_kl = false, graph = false,
        bitwise_reruns = false, index_reuse = true;
@@ -58,6 +58,10 @@ void usage() {
       "Options:\n"
       "  --block BLK (128) --topk K (16) --local-blocks L (1) --kl-coeff C (1.0)\n"
       "  --mode sparse|warmup (sparse) --dtype bf16|fp16|fp32 (bf16) --deterministic\n"
+      "  --sink-blocks N    the first N blocks of every sequence become attention sinks that every\n"
+      "                     token selects (qp and kp get +12 on channel 0: every qp row, kp's rows\n"
+      "                     of those blocks): the long lists of a trained proxy (default 0: the\n"
+      "                     N(0,1) inputs' near-random selection)\n"
       "  --forward-kl       the forward also produces the KL value (as the PyTorch op does)\n"
       "  --graph            also time the whole step captured once in a CUDA graph and replayed, and\n"
       "                     the step (and selection + forward) launched on one stream without\n"
@@ -110,6 +114,7 @@ Config parse(int argc, char** argv) {
     else if (a == "--block") c.block = geti();
     else if (a == "--topk") c.topk = geti();
     else if (a == "--local-blocks") c.local_blocks = geti();
+    else if (a == "--sink-blocks") c.sink_blocks = geti();
     else if (a == "--kl-coeff") c.kl_coeff = static_cast<float>(std::atof(need(i)));
     else if (a == "--threads") c.threads = geti();
     else if (a == "--iters") c.iters = geti();
@@ -405,6 +410,7 @@ int main(int argc, char** argv) {
   if (c.bitwise_reruns && !c.deterministic)
     die("--bitwise-reruns needs --deterministic (the fast mode's fp32 atomics add in no fixed order)");
   if (c.seqlens.empty()) c.seqlens.assign(std::max(c.batch, 0), c.seqlen);
+  if (c.sink_blocks < 0) die("--sink-blocks must be >= 0");
 
   std::vector<int32_t> cu{0};
   for (int L : c.seqlens) {
@@ -468,7 +474,38 @@ int main(int argc, char** argv) {
   HostTensor cu_t = make_tensor(DType::int32, {B + 1});
   std::memcpy(cu_t.bytes.data(), cu.data(), cu.size() * 4);
   Buffer bcu(cuda, cu_t);
-  log("inputs ready (N(0,1), seed %llu)", (unsigned long long)c.seed);
+  if (c.sink_blocks > 0) {
+    // The sink keys' proxy scores rise by ~12^2 scale_p (12.7 at Dp = 128) against N(0, 1 + 144 / Dp)
+    // for the others, so every token ranks the sink blocks first (after its own block).
+    const float bias = 12.f;
+    const int64_t sink_tokens = static_cast<int64_t>(c.sink_blocks) * c.block;
+#ifdef FLASHMSA_WITH_CUDA
+    if (cuda) {
+      try {
+        const auto* dcu = static_cast<const int32_t*>(bcu.view().data);
+        app::add_to_first_channel_device(bqp.view().data, dtype, T, c.Hp, c.Dp, dcu, B, -1, bias);
+        app::add_to_first_channel_device(bkp.view().data, dtype, T, c.Hpk, c.Dp, dcu, B, sink_tokens, bias);
+      } catch (const Error& e) {
+        die(e.what());
+      }
+      if (need_host) {
+        qp = bqp.download();
+        kp = bkp.download();
+      }
+    }
+#endif
+    if (!cuda) {
+      for (int b = 0; b < B; ++b)
+        for (int64_t t = cu[b]; t < cu[b + 1]; ++t) {
+          for (int h = 0; h < c.Hp; ++h) qp.set((t * c.Hp + h) * c.Dp, qp.get((t * c.Hp + h) * c.Dp) + bias);
+          if (t - cu[b] < sink_tokens)
+            for (int h = 0; h < c.Hpk; ++h) kp.set((t * c.Hpk + h) * c.Dp, kp.get((t * c.Hpk + h) * c.Dp) + bias);
+        }
+      bqp.upload(qp.bytes.data());
+      bkp.upload(kp.bytes.data());
+    }
+  }
+  log("inputs ready (N(0,1)%s, seed %llu)", c.sink_blocks > 0 ? ", sink blocks" : "", (unsigned long long)c.seed);
 
   Buffer bidx(cuda, DType::int32, {c.Hp, T, c.topk}), bo(cuda, dtype, {T, c.H, c.Dv}),
       blse(cuda, DType::fp32, {c.H, T}), bkl(cuda, DType::fp32, {1});
@@ -620,10 +657,16 @@ int main(int argc, char** argv) {
   double sel_per_head = 0;  // sum over t of |J|, averaged over proxy heads
   int64_t rows_padded = 0, picks = 0, recent = 0;
   double dist_sum = 0;
+  // The longest (proxy head, key block) token list: the kernels' KV-major work per block.
+  int64_t longest_list = 0, n_lists = 0;
   if (sparse) {
     std::vector<int32_t> idx(idx_h.numel());
     std::memcpy(idx.data(), idx_h.bytes.data(), idx.size() * 4);
     hp.block_idx = idx;
+    std::vector<int64_t> first_block{0};  // global index of each sequence's first block
+    for (int b = 0; b < B; ++b) first_block.push_back(first_block.back() + (cu[b + 1] - cu[b] + c.block - 1) / c.block);
+    n_lists = first_block.back() * c.Hp;
+    std::vector<int64_t> list_len(n_lists, 0);
     for (int b = 0; b < B; ++b)
       for (int64_t t = cu[b]; t < cu[b + 1]; ++t) {
         const int64_t pos = t - cu[b];
@@ -636,6 +679,7 @@ int main(int argc, char** argv) {
             sel_per_head += r[i] == n_loc ? double(pos - n_loc * c.block + 1) : double(c.block);
             ++picks;
             dist_sum += double(n_loc - r[i]);
+            longest_list = std::max(longest_list, ++list_len[p * first_block.back() + first_block[b] + r[i]]);
             recent += n_loc - r[i] < 4;
           }
           rows_padded += padded;
@@ -748,9 +792,11 @@ int main(int argc, char** argv) {
   std::printf("kl_loss = %.6g\n", kl);
   if (sparse && picks > 0)
     std::printf("selection: %.1f keys/query/head (sel), %.2f blocks/row, %.1f%% rows padded, "
-                "mean distance %.1f blocks, %.1f%% of picks within 4 blocks\n",
+                "mean distance %.1f blocks, %.1f%% of picks within 4 blocks, longest block list %lld tokens "
+                "(%.1fx the mean)\n",
                 sel_per_head / double(T), double(picks) / (double(T) * c.Hp),
-                100.0 * rows_padded / (double(T) * c.Hp), dist_sum / picks, 100.0 * recent / picks);
+                100.0 * rows_padded / (double(T) * c.Hp), dist_sum / picks, 100.0 * recent / picks,
+                (long long)longest_list, double(longest_list) * n_lists / double(picks));
   if (cuda)
     std::printf("extra device memory (stream-ordered workspace peak): forward %.1f MB, backward "
                 "%.1f MB (q is %.1f MB)%s\n",
@@ -770,7 +816,7 @@ int main(int argc, char** argv) {
        << ", \"H\": " << c.H << ", \"Hkv\": " << c.Hkv << ", \"Hp\": " << c.Hp
        << ", \"Hpk\": " << c.Hpk << ", \"D\": " << c.D << ", \"Dv\": " << c.Dv
        << ", \"Dp\": " << c.Dp << ", \"K\": " << c.topk << ", \"BLK\": " << c.block
-       << ", \"mode\": \"" << c.mode << "\", \"dtype\": \"" << c.dtype << "\""
+       << ", \"sink_blocks\": " << c.sink_blocks << ", \"mode\": \"" << c.mode << "\", \"dtype\": \"" << c.dtype << "\""
        << ", \"forward_kl\": " << (c.forward_kl ? "true" : "false")
        << ", \"index_reuse\": " << (reuse ? "true" : "false") << ", \"iters\": " << c.iters << ", \"ms_select\": " << ms_sel << ", \"ms_forward\": " << ms_fwd
        << ", \"ms_backward\": " << ms_bwd << ", \"ms_step_graph\": " << (t_graph.empty() ? 0.0 : median(t_graph))
