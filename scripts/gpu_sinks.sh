@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One call: the step with attention-sink selections (flashmsa_run --sink-blocks 1: every token also
+# selects its sequence's first block, so that block's list holds every token) beside the N(0,1)
+# inputs' near-random selection, alternating, checked; fm16k, m3 32k and 64k. Binaries from
+# scripts/build_gpu_bundle.sh (scratch-gpu/, carried). Logs and JSON to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/flashmsa-sinks}
+mkdir -p "$OUT"
+for f in scratch-gpu/*.xz; do [ -x "${f%.xz}" ] || { xz -d -k -T8 "$f" && chmod +x "${f%.xz}"; }; done
+nvidia-smi --query-gpu=name --format=csv,noheader
+RUN=scratch-gpu/flashmsa_run
+CONFIGS=${CONFIGS:-"fm16k:--seqlen 16384 --heads 16 --kv-heads 2;m3_32k:--seqlen 32768;m3_64k:--seqlen 65536"}
+IFS=';' read -ra cfgs <<< "$CONFIGS"
+for cfg in "${cfgs[@]}"; do
+  name=${cfg%%:*}
+  read -ra args <<< "${cfg#*:}"
+  for round in 1 2; do
+    for s in 0 ${SINKS:-1}; do
+      log=$OUT/${name}_sink${s}_$round
+      "$RUN" --device cuda "${args[@]}" --sink-blocks "$s" --iters 5 --check-tokens 2 --quiet --json "$log.json" \
+        > "$log.log" 2>&1
+      echo "$name sink=$s round $round: select / forward / backward ms" \
+        "$(grep -E '^(select_blocks|sparse forward|backward)' "$log.log" | awk '{printf "%s ", $(NF-1)}')|" \
+        "$(grep -o 'longest block list.*' "$log.log") $(grep RESULT "$log.log")"
+    done
+  done
+done
