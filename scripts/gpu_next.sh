@@ -21,17 +21,17 @@
 #                                     then HEAD's benchmark in the time left (the next record). ~4-5 min.
 #                                     RULE_CONFIGS (gpu_ab.sh's CONFIGS) narrows the A/B for a short call.
 # Next (as of the fifty-sixth session):
-#   0. the list pieces (docs/prepared/list-pieces.patch, branch list-pieces; any card will do): apply it,
-#      bash scripts/build_gpu_bundle.sh, carry ["scratch-gpu"], then the backward / graph tests with the new
-#      CudaBackward.ListPieces and `bash scripts/gpu_sinks.sh` (its patched form: sinks 0 / 1 x pieces
-#      0 / 2048 at fm16k, m3 32k and 64k, checked). Land it if the tests pass and N(0, 1) selections lose
-#      nothing; then the rule below with that bundle.
+#   0. the list pieces on N(0, 1) selections (opt-in since the fifty-sixth session, which measured the sink
+#      case only: fm16k backward 6.23 -> 3.66 ms on an H100): bash scripts/build_gpu_bundle.sh, carry
+#      ["scratch-gpu"], `bash scripts/gpu_sinks.sh` (sinks 0 / 1 x FLASHMSA_BWD_PIECE 0 / 2048 at fm16k, m3
+#      32k and 64k, checked) and the GPU suite with FLASHMSA_BWD_PIECE unset; if N(0, 1) loses nothing,
+#      make 2048 the default (fused_backward.cu, backward_piece_tokens) and run the suite with it.
 #   (fifty-third session, which swept the backward's chunks on an H200: the H100's T / 16 loses there at
 #   64k, T / 8 gains from 16k to 32k, now the H200's default, measured with forced counts only:)
 #   1. ONLY_H200=1 END_S=560 bash scripts/gpu_next.sh rule (timeout_s 580).
 #      (fifty-fourth session: no H200 came; HEAD's suite, memcheck, racecheck and main job passed on H100s.)
 #      (fifty-fifth session: none again: six of eleven starts found no machine, five got H100s; one ran HEAD's benchmark.)
-#      (fifty-sixth session: ten starts, none found a machine of either kind.)
+#      (fifty-sixth session: ten starts found no machine of either kind; the eleventh got an H100, used for the pieces.)
 #   2. the record's other stages on the H200 with HEAD's bundle (tests, sanitizer, python, main, scale).
 #   For an A/B of builds, use the ab mode
 #   above. A call that must run on an H200 checks the card first (a call for nvidia-h200 may get an H100):

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call: the step with attention-sink selections (flashmsa_run --sink-blocks 1: every token also
 # selects its sequence's first block, so that block's list holds every token) beside the N(0,1)
-# inputs' near-random selection, alternating, checked; fm16k, m3 32k and 64k. Binaries from
-# scripts/build_gpu_bundle.sh (scratch-gpu/, carried). Logs and JSON to $OUT.
+# inputs' near-random selection, each with the backward's list pieces at $PIECES tokens
+# (FLASHMSA_BWD_PIECE; 0: none, the (chunk, block) grid), alternating, every run checked; fm16k, m3
+# 32k and 64k. Binaries from scripts/build_gpu_bundle.sh (scratch-gpu/, carried). Logs, JSON to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/flashmsa-sinks}
@@ -15,14 +16,16 @@ IFS=';' read -ra cfgs <<< "$CONFIGS"
 for cfg in "${cfgs[@]}"; do
   name=${cfg%%:*}
   read -ra args <<< "${cfg#*:}"
-  for round in 1 2; do
-    for s in 0 ${SINKS:-1}; do
-      log=$OUT/${name}_sink${s}_$round
-      "$RUN" --device cuda "${args[@]}" --sink-blocks "$s" --iters 5 --check-tokens 2 --quiet --json "$log.json" \
-        > "$log.log" 2>&1
-      echo "$name sink=$s round $round: select / forward / backward ms" \
-        "$(grep -E '^(select_blocks|sparse forward|backward)' "$log.log" | awk '{printf "%s ", $(NF-1)}')|" \
-        "$(grep -o 'longest block list.*' "$log.log") $(grep RESULT "$log.log")"
+  for round in $(seq "${ROUNDS:-1}"); do
+    for s in ${SINKS:-0 1}; do
+      for piece in ${PIECES:-0 2048}; do
+        log=$OUT/${name}_sink${s}_piece${piece}_$round
+        FLASHMSA_BWD_PIECE=$piece "$RUN" --device cuda "${args[@]}" --sink-blocks "$s" --iters 5 --check-tokens 2 \
+          --quiet --json "$log.json" > "$log.log" 2>&1
+        echo "$name sink=$s piece=$piece round $round: select / forward / backward ms" \
+          "$(grep -E '^(select_blocks|sparse forward|backward)' "$log.log" | awk '{printf "%s ", $(NF-1)}')|" \
+          "$(grep -o 'longest block list [0-9]* tokens' "$log.log") $(grep -E 'RESULT|rror' "$log.log" | head -n 2)"
+      done
     done
   done
 done

@@ -822,6 +822,52 @@ TEST(CudaBackward, OwnBlockPass) {
   check_own_pass(shape(32, 4, 4, 4, 128, 5, {1500, 1}), 59);
 }
 
+// List pieces (FoldArgs::pieces): with FLASHMSA_BWD_PIECE small, every list is cut into many pieces of
+// uneven tile counts, in both forms that take them (token rows with and without token chunks and the
+// own-block pass; SHARED_KV), on a selection where every row that can also keeps its sequence's first
+// block (an attention sink: that block's list holds every token). Deterministic mode does not take
+// the pieces: the set variable refuses it by name.
+void check_list_pieces(const Shape& s, uint64_t seed, std::vector<const char*> chunks) {
+  Setup st;
+  make_setup(st, s, seed, true, 0.7f, [&](Setup& x) {
+    for (int p = 0; p < s.Hp; ++p)
+      for (int64_t t = 0; t < x.pr.T; ++t) {
+        int32_t* row = x.sel.data() + (static_cast<int64_t>(p) * x.pr.T + t) * s.K;
+        // Rows ascend with padding last: the smallest block gives way to block 0 when the row keeps
+        // another block (the own one, the largest) and lacks block 0.
+        if (row[0] > 0 && s.K > 1 && row[1] >= 0) row[0] = 0;
+      }
+  });
+  const Grads cpu = run_cpu(st);
+  DeviceSide d;
+  upload(d, st);
+  gputest::PoisonedWorkspace poison;
+  for (const char* piece : {"50", "300"}) {
+    gputest::ScopedEnv pieces("FLASHMSA_BWD_PIECE", piece);  // an error unless the pieces apply
+    for (const char* chunk : chunks) {
+      gputest::ScopedEnv env("FLASHMSA_BWD_CHUNK", chunk);
+      compare(run_gpu(d, st, false), cpu, std::string("pieces of ") + piece + " tokens, chunk " + chunk);
+    }
+    try {
+      run_gpu(d, st, true);
+      ADD_FAILURE() << "FLASHMSA_BWD_PIECE accepted deterministic mode";
+    } catch (const flashmsa::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("FLASHMSA_BWD_PIECE"), std::string::npos) << e.what();
+    }
+  }
+  gputest::ScopedEnv off("FLASHMSA_BWD_PIECE", "0");
+  compare(run_gpu(d, st, false), cpu, "no pieces");
+}
+
+TEST(CudaBackward, ListPieces) {
+  GPUTEST_REQUIRE_DEVICE();
+  {
+    gputest::ScopedEnv rows("FLASHMSA_BWD_ROWS", "1");  // an error unless the token-row form runs
+    check_list_pieces(shape(64, 4, 4, 1, 128, 16, {2000, 333, 700}), 61, {"0", "96", "1024"});
+  }
+  check_list_pieces(shape(16, 2, 4, 1, 128, 8, {1800, 1, 500}), 62, {"0"});  // SHARED_KV (G = 2)
+}
+
 // The sparse forward (o, lse, KL value) on the device copies of st, with a caller's index or none.
 struct ForwardOut {
   std::vector<uint16_t> o;

@@ -406,6 +406,19 @@ struct FoldArgs {
   // The wgmma kernel (fused_backward.cu: its DET forms without token chunks):
   // dkp_acc is [T, Hp, D] fp32, one partial per proxy head, instead of the shared [T, Hpk, D].
   bool dkp_per_head = false;
+  // Fast mode's list pieces (fused_backward.cu, build_list_pieces; the wgmma kernel's main launch,
+  // not the own-block pass). A list holds every token that selected its block: an attention sink's
+  // holds every token of the sequence, and in one CTA it outlasted the launch. So each list (its
+  // token chunk's part, with chunks) is cut into pieces of at most FLASHMSA_BWD_PIECE tokens, laid
+  // out per proxy group in the grid's order: grid x runs over (piece, group in the sweep), and the
+  // CTA with p (as above) and piece index r = x / sweep_groups takes entries [y, z) of list (p, x)
+  // of pieces[p piece_stride + r] (r >= n_pieces[p]: nothing, it returns), adds its dk / dv into
+  // dk_acc / dv_acc and writes its KL share to kl_part[kl_slot0 + p piece_stride + r]. p stays a
+  // function of the CTA index, as before: held through the loop it would cost spills.
+  const int4* pieces = nullptr;       // [Hp, piece_stride] {key block g, begin, end, 0}
+  const int32_t* n_pieces = nullptr;  // [Hp]
+  int piece_stride = 0;
+  int64_t kl_slot0 = 0;
 };
 
 // DQ = false: no dq here (the deterministic mode's query-major dq, backward_dq.cu). A template

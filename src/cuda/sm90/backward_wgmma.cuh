@@ -373,8 +373,18 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   constexpr bool kChunkable = kSweep && RM > 0;
   const int S = kSweep ? fa.sweep_groups : Hp;
   const int gx = blockIdx.x / S, p = (kSweep ? static_cast<int>(blockIdx.y) * S : 0) + blockIdx.x % S;
-  const int chunk = kChunkable && fa.n_chunks > 0 ? gx / ix.NB : 0;
-  const int g = gx - chunk * ix.NB;
+  // List pieces: the fast token-row and SHARED_KV forms only (the others compile as before; with
+  // them the producer's 24 registers spilled).
+  constexpr bool kPieces = !DET && !KL_ONLY && (RM > 0 || SHARED_KV);
+  const bool pieces = kPieces && fa.pieces != nullptr;
+  int4 piece = make_int4(0, 0, 0, 0);  // {g, begin, end}
+  if (pieces) {
+    if (gx >= __ldg(fa.n_pieces + p)) return;  // CTA-uniform
+    piece = __ldg(fa.pieces + static_cast<int64_t>(p) * fa.piece_stride + gx);
+  }
+  const int chunk = kChunkable && fa.n_chunks > 0 && !pieces ? gx / ix.NB : 0;
+  // g_grid: the grid's key block (a function of the CTA index, free to recompute after the loop).
+  const int g_grid = gx - chunk * ix.NB, g = pieces ? piece.x : g_grid;
   const int m = H / Hp;
   if (RM > 0 && m != RM) __trap();  // token rows assume groups of exactly RM heads (host-checked)
   // Group p's heads p*m.. lie in kv head p*m / (H/Hkv) = p / G. The G = 1 backward keeps the
@@ -383,7 +393,10 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   const int kvh = (KL_ONLY || SHARED_KV) ? p / (Hp / Hkv) : p;
   const int pk = p / (Hp / fa.Hpk);
   BlockCtx bc = block_ctx(ix, p, g);
-  if constexpr (kChunkable) {
+  if (pieces) {
+    bc.begin = piece.y;
+    bc.end = piece.z;
+  } else if constexpr (kChunkable) {
     if (fa.n_chunks > 0) {
       const int64_t list = static_cast<int64_t>(p) * ix.NB + g;
       if (fa.own_pass) {
@@ -1065,8 +1078,8 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(cta));
     red_dkv(static_cast<int>(cta % static_cast<unsigned>(Hp)) / (Hp / Hkv));
   } else if constexpr (!KL_ONLY) {
-    bool partial = false;
-    if constexpr (kChunkable) partial = fa.n_chunks > 0;
+    bool partial = pieces;
+    if constexpr (kChunkable) partial = partial || fa.n_chunks > 0;
     if (partial) {
       red_dkv(kvh);  // a chunk's share of dk, dv
     } else {
@@ -1094,9 +1107,11 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   if (ct == 0) {
     float total = 0.f;
     for (int w = 0; w < 8; ++w) total += sRed[w];
-    // With token chunks: one slot per (chunk, p, g), [n_chunks (+ 1: the own pass)][Hp][NB].
+    // With token chunks: one slot per (chunk, p, g), [n_chunks (+ 1: the own pass)][Hp][NB]; with
+    // list pieces, kl_slot0 + one per (p, piece).
     const int slot = fa.own_pass ? fa.n_chunks : chunk;
-    fa.kl_part[(static_cast<int64_t>(slot) * Hp + p) * ix.NB + g] = total;
+    fa.kl_part[pieces ? fa.kl_slot0 + static_cast<int64_t>(p) * fa.piece_stride + gx
+                         : (static_cast<int64_t>(slot) * Hp + p) * ix.NB + g_grid] = total;
   }
 }
 

@@ -30,6 +30,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cub/block/block_scan.cuh>
+
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -324,6 +326,26 @@ int backward_chunk_tokens(int64_t T, bool det) {
   const int64_t count = default_backward_chunk_count(T, det, dram_peak_bytes_per_s(device));
   return count > 0 ? static_cast<int>((T + count - 1) / count) : 0;
 }
+// Tokens per list piece of the fast wgmma backward (FoldArgs::pieces; 0: none, the grid's own
+// (chunk, block) CTAs). FLASHMSA_BWD_PIECE sets it (read per call; set, it makes a problem the pieces
+// do not apply to an error: how tests prove they ran); 2048 is about the mean list (K x 128 tokens at
+// K = 16), so that N(0, 1) selections are cut little and an attention sink's list of every token
+// spreads over T / 2048 CTAs: fm16k with a sink block, H100, backward 6.23-6.26 -> 3.66 ms
+// (bench/results/h100_124a96b_sinks.log). Off by default until an A/B on N(0, 1) selections says it
+// costs them nothing (not yet run).
+struct PieceSetting {
+  int tokens = 0;
+  bool forced = false;
+};
+PieceSetting backward_piece_tokens() {
+  PieceSetting s;
+  if (const char* v = std::getenv("FLASHMSA_BWD_PIECE")) {
+    s.tokens = std::max(0, std::atoi(v));
+    s.forced = s.tokens > 0;
+  }
+  return s;
+}
+
 int chunk_groups(int Hp) {
   const char* v = std::getenv("FLASHMSA_BWD_CHUNK_GROUPS");
   const int n = v ? std::atoi(v) : 1;
@@ -359,6 +381,54 @@ __global__ void own_bounds_kernel(bwd::Index ix, int64_t n_lists, int32_t* __res
   if (list >= n_lists) return;
   const bwd::BlockCtx bc = bwd::block_ctx(ix, static_cast<int>(list / ix.NB), static_cast<int>(list % ix.NB));
   own_end[list] = first_entry_from(ix.vals, bc.begin, bc.end, (bc.seq_start + bc.key0 + bwd::kBlk) * ix.K);
+}
+
+// The list pieces of proxy group p = blockIdx.x (FoldArgs::pieces): its lists' parts in the grid's
+// order (chunk, key block g), each part [b, e) (chunk_bounds, past own_end with the own-block pass;
+// the whole list without chunks) cut into ceil((e - b) / cap) near-equal pieces, empty parts into
+// none. One CTA per group: a running block-wide scan of the piece counts over its NB x max(nc, 1)
+// parts (a few thousand at m3/64k) places each part's pieces.
+__global__ void __launch_bounds__(1024) build_list_pieces_kernel(bwd::Index ix, int nc,
+                                                                 const int32_t* __restrict__ chunk_bounds,  // [Hp, NB, nc + 1] or null
+                                                                 const int32_t* __restrict__ own_end,  // [Hp, NB] or null
+                                                                 int cap, int stride,
+                                                                 int4* __restrict__ pieces,      // [Hp, stride]
+                                                                 int32_t* __restrict__ n_pieces) {  // [Hp]
+  using Scan = cub::BlockScan<int, 1024>;
+  __shared__ typename Scan::TempStorage scan;
+  __shared__ int running;
+  const int p = blockIdx.x, parts = ix.NB * max(nc, 1);
+  if (threadIdx.x == 0) running = 0;
+  __syncthreads();
+  for (int r0 = 0; r0 < parts; r0 += 1024) {
+    const int r = r0 + threadIdx.x;
+    int b = 0, e = 0, g = 0;
+    if (r < parts) {
+      const int c = nc > 0 ? r / ix.NB : 0;
+      g = r - c * ix.NB;
+      const int64_t list = static_cast<int64_t>(p) * ix.NB + g;
+      if (nc > 0) {
+        b = chunk_bounds[list * (nc + 1) + c];
+        e = chunk_bounds[list * (nc + 1) + c + 1];
+        if (own_end) b = max(b, own_end[list]);
+      } else {
+        b = ix.seg_start[list];
+        e = ix.seg_start[list + 1];
+      }
+    }
+    const int len = max(e - b, 0), count = (len + cap - 1) / cap;
+    int first = 0, total = 0;
+    Scan(scan).ExclusiveSum(count, first, total);
+    first += running;
+    for (int j = 0; j < count; ++j)
+      pieces[static_cast<int64_t>(p) * stride + first + j] =
+          make_int4(g, b + static_cast<int>(static_cast<int64_t>(len) * j / count),
+                    b + static_cast<int>(static_cast<int64_t>(len) * (j + 1) / count), 0);
+    __syncthreads();  // every thread has read `running` and the scan storage
+    if (threadIdx.x == 0) running += total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) n_pieces[p] = running;
 }
 
 // The own-block pass stores the dq / dqp rows of every token in its own block's list; the rows of a
@@ -490,7 +560,8 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
                  const float* lse_s, void* dq_acc, void* dqp_acc,
                  void* dk_acc, void* dv_acc, void* dkp_acc, const float* fx, const float* row_fx,
                  float* kl_part, bool main_owned, bool kl_owned, int nseg, bool fold, int token_rows,
-                 int n_chunks, const int32_t* chunk_bounds, bool dkp_per_head, const int32_t* own_end) {
+                 int n_chunks, const int32_t* chunk_bounds, bool dkp_per_head, const int32_t* own_end,
+                 const int4* pieces, const int32_t* n_pieces, int piece_stride, int64_t kl_slot0) {
   if (dkp_per_head && !fold)
     throw Error("flashmsa: fused_backward: internal error: per-head dkp partials planned without the folded kernel");
   const auto* q = static_cast<const bf16*>(p.q);
@@ -553,9 +624,9 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
           fw.n_chunks = n_chunks;
           fw.chunk_bounds = chunk_bounds;
           fw.own_end = own_end;
-          auto go = [&](int chunks) {
-            const dim3 grid(static_cast<unsigned>(ix.NB) * fw.sweep_groups * std::max(chunks, 1),
-                            p.Hp / fw.sweep_groups);
+          // x_per_group: the grid's CTAs per proxy group along x before the sweep.
+          auto go = [&](int64_t x_per_group) {
+            const dim3 grid(static_cast<unsigned>(x_per_group * fw.sweep_groups), p.Hp / fw.sweep_groups);
             kernel<<<grid, bwd::WgBwd::kThreads, smem, stream>>>(
                 q, k, v, static_cast<const bf16*>(p.d_o), p.lse, di, ix, p.H, p.Hkv, p.Hp, p.scale,
                 static_cast<float*>(dq_acc), static_cast<bf16*>(p.dk), static_cast<bf16*>(p.dv), fw, fx, dk_acc,
@@ -564,12 +635,22 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
           };
           if (own_end && (shared_kv || det || token_rows == 0))
             throw Error("flashmsa: fused_backward: internal error: the own-block pass planned for a form without it");
+          if (pieces && (det || !(token_rows > 0 || shared_kv)))
+            throw Error("flashmsa: fused_backward: internal error: list pieces planned for a form without them");
           if (own_end) {  // the own-block pass first (stream order puts its stores before every add)
             fw.own_pass = 1;
-            go(1);
+            go(ix.NB);
             fw.own_pass = 0;
           }
-          go(n_chunks);
+          if (pieces) {
+            fw.pieces = pieces;
+            fw.n_pieces = n_pieces;
+            fw.piece_stride = piece_stride;
+            fw.kl_slot0 = kl_slot0;
+            go(piece_stride);
+          } else {
+            go(static_cast<int64_t>(ix.NB) * std::max(n_chunks, 1));
+          }
         };
         if (shared_kv) {
           if (det) launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, true, true>);
@@ -587,9 +668,9 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
     }
     // The token-row accumulators (permuted fp32, or int32 with DET) exist for the wgmma kernel only;
     // wgmma_kv_applies reads FLASHMSA_BACKWARD_PATH again above, so the plan is checked, not assumed.
-    if (token_rows > 0 || dkp_per_head || own_end)
-      throw Error("flashmsa: fused_backward: internal error: token-row or per-head dkp accumulators or the own-block "
-                  "pass planned for the wgmma kernel, which did not run");
+    if (token_rows > 0 || dkp_per_head || own_end || pieces)
+      throw Error("flashmsa: fused_backward: internal error: token-row or per-head dkp accumulators, the own-block "
+                  "pass or list pieces planned for the wgmma kernel, which did not run");
     constexpr int smem = bwd::attn_smem_bytes<D>() + bwd::fold_smem_bytes<D>();
     static_assert(smem <= 227 * 1024, "the folded backward must fit in one SM's shared memory");
     if (dq_acc) launch_attn(bwd::attn_bwd_kernel<D, true, true>, smem, fa);
@@ -753,7 +834,16 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   const int n_chunks = token_rows > 0 && !alternate_waves(p) && chunk_tokens > 0 && chunk_tokens < T
                            ? static_cast<int>((T + chunk_tokens - 1) / chunk_tokens)
                            : 0;
-  const bool dkv_in_acc = !main_owned || n_chunks > 0;
+  // List pieces (FoldArgs::pieces): the fast token-row and SHARED_KV (G > 1) forms, not the dense
+  // warm-up (its alternating waves); their dk / dv then go through the accumulators.
+  const PieceSetting piece_setting = backward_piece_tokens();
+  const bool use_pieces = piece_setting.tokens > 0 && !det && takes_wgmma && (token_rows > 0 || p.Hp > p.Hkv) &&
+                          !alternate_waves(p);
+  if (piece_setting.forced && !use_pieces)
+    throw Error("flashmsa: fused_backward: FLASHMSA_BWD_PIECE is set, but list pieces do not apply (argument "
+                "'deterministic': fast mode only; argument 'q': the wgmma backward with token rows or groups sharing "
+                "a kv head; not the dense warm-up)");
+  const bool dkv_in_acc = !main_owned || n_chunks > 0 || use_pieces;
   // The own-block pass (FoldArgs::own_pass; fast mode with token chunks): the first contribution to
   // each dq / dqp row is stored, so those 2.1 + 0.13 GB at m3/64k are not zeroed first.
   // FLASHMSA_BWD_OWN_PASS=0: zeroed and reduce-added as before (A/B timing); =1: an error when the
@@ -789,8 +879,18 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   reserve_selection_lists(sel, p, ws, stream);  // its scratch: over the accumulators, below
   const size_t o_di = ws.add(T * p.H * sizeof(float));
   const size_t o_lse_s = ws.add(static_cast<size_t>(p.Hp) * T * sizeof(float));
-  const int64_t n_kl_part = std::max<int64_t>(nkeys, 1) * (std::max(n_chunks, 1) + (own_split ? 1 : 0));
+  // Pieces per proxy group at most: one per nonempty (list, chunk) part plus its tokens / cap.
+  const int64_t nb = nkeys / p.Hp;
+  const int64_t piece_stride64 =
+      use_pieces ? nb * std::max(n_chunks, 1) + T * K / piece_setting.tokens + 1 : 0;
+  if (piece_stride64 * p.Hp > INT_MAX)
+    throw Error("flashmsa: fused_backward: argument 'q': too many list pieces for one launch (raise FLASHMSA_BWD_PIECE)");
+  const int piece_stride = static_cast<int>(piece_stride64);
+  const int64_t kl_slot0 = std::max<int64_t>(nkeys, 1) * (std::max(n_chunks, 1) + (own_split ? 1 : 0));
+  const int64_t n_kl_part = kl_slot0 + p.Hp * piece_stride64;
   const size_t o_kl_part = ws.add(n_kl_part * sizeof(float));
+  const size_t o_pieces = use_pieces ? ws.add(p.Hp * piece_stride64 * sizeof(int4)) : 0;
+  const size_t o_n_pieces = use_pieces ? ws.add(p.Hp * sizeof(int32_t)) : 0;
   const size_t o_chunk_bounds = n_chunks > 0 ? ws.add(nkeys * (n_chunks + 1) * sizeof(int32_t)) : 0;
   const size_t o_own_end = own_split ? ws.add(nkeys * sizeof(int32_t)) : 0;
   const int64_t n_dq = T * p.H * p.D, n_dqp = T * p.Hp * p.Dp;
@@ -856,9 +956,18 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
       own_bounds_kernel<<<grid_for(nkeys, 256), 256, 0, stream>>>(ix, nkeys, ws.at<int32_t>(o_own_end));
       FLASHMSA_CHECK_LAUNCH();
     }
-    // Empty chunks write no KL share.
-    FLASHMSA_CUDA_CHECK(cudaMemsetAsync(ws.at<float>(o_kl_part), 0, n_kl_part * sizeof(float), stream));
   }
+  if (use_pieces) {
+    if (nb != ix.NB) throw Error("flashmsa: fused_backward: internal error: list pieces planned for another index");
+    build_list_pieces_kernel<<<p.Hp, 1024, 0, stream>>>(
+        ix, n_chunks, n_chunks > 0 ? ws.at<int32_t>(o_chunk_bounds) : nullptr,
+        own_split ? ws.at<int32_t>(o_own_end) : nullptr, piece_setting.tokens, piece_stride,
+        ws.at<int4>(o_pieces), ws.at<int32_t>(o_n_pieces));
+    FLASHMSA_CHECK_LAUNCH();
+  }
+  // Empty chunks and the pieces' unused slots write no KL share.
+  if (n_chunks > 0 || use_pieces)
+    FLASHMSA_CUDA_CHECK(cudaMemsetAsync(ws.at<float>(o_kl_part), 0, n_kl_part * sizeof(float), stream));
 
   // The accumulators' zeroing, the deterministic factors and the per-row terms (HBM-bound) run on
   // a helper stream beside the student lse (latency-bound, three CTAs per SM with room left for
@@ -942,7 +1051,8 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
     run_kernels<D>(p, stream, ix, ws.at<float>(o_di), ws.at<float>(o_lse_s), dq_acc, dqp_acc, dk_acc, dv_acc,
                    dkp_acc, fx, row_fx, ws.at<float>(o_kl_part), main_owned, kl_owned, nseg, fold, token_rows,
                    n_chunks, n_chunks > 0 ? ws.at<int32_t>(o_chunk_bounds) : nullptr, dkp_per_head,
-                   own_split ? ws.at<int32_t>(o_own_end) : nullptr);
+                   own_split ? ws.at<int32_t>(o_own_end) : nullptr, use_pieces ? ws.at<int4>(o_pieces) : nullptr,
+                   use_pieces ? ws.at<int32_t>(o_n_pieces) : nullptr, piece_stride, kl_slot0);
   };
   if (p.D == 64) run(std::integral_constant<int, 64>{});
   else run(std::integral_constant<int, 128>{});
