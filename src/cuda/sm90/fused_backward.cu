@@ -41,6 +41,7 @@
 #include <string>
 
 #include "backward_chunk_rule.h"
+#include "list_pieces.h"
 #include "common/check.cuh"
 #include "common/fixed_order_sum.cuh"
 #include "common/fixed_point.cuh"
@@ -416,14 +417,13 @@ __global__ void __launch_bounds__(1024) build_list_pieces_kernel(bwd::Index ix, 
         e = ix.seg_start[list + 1];
       }
     }
-    const int len = max(e - b, 0), count = (len + cap - 1) / cap;
+    const int len = max(e - b, 0), count = list_piece_count(len, cap);
     int first = 0, total = 0;
     Scan(scan).ExclusiveSum(count, first, total);
     first += running;
     for (int j = 0; j < count; ++j)
       pieces[static_cast<int64_t>(p) * stride + first + j] =
-          make_int4(g, b + static_cast<int>(static_cast<int64_t>(len) * j / count),
-                    b + static_cast<int>(static_cast<int64_t>(len) * (j + 1) / count), 0);
+          make_int4(g, list_piece_begin(b, len, count, j), list_piece_begin(b, len, count, j + 1), 0);
     __syncthreads();  // every thread has read `running` and the scan storage
     if (threadIdx.x == 0) running += total;
     __syncthreads();
@@ -879,10 +879,10 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   reserve_selection_lists(sel, p, ws, stream);  // its scratch: over the accumulators, below
   const size_t o_di = ws.add(T * p.H * sizeof(float));
   const size_t o_lse_s = ws.add(static_cast<size_t>(p.Hp) * T * sizeof(float));
-  // Pieces per proxy group at most: one per nonempty (list, chunk) part plus its tokens / cap.
+  // Pieces per proxy group at most, over its NB x max(n_chunks, 1) list parts of <= T K entries in all.
   const int64_t nb = nkeys / p.Hp;
   const int64_t piece_stride64 =
-      use_pieces ? nb * std::max(n_chunks, 1) + T * K / piece_setting.tokens + 1 : 0;
+      use_pieces ? max_list_pieces(nb * std::max(n_chunks, 1), T * K, piece_setting.tokens) : 0;
   if (piece_stride64 * p.Hp > INT_MAX)
     throw Error("flashmsa: fused_backward: argument 'q': too many list pieces for one launch (raise FLASHMSA_BWD_PIECE)");
   const int piece_stride = static_cast<int>(piece_stride64);

@@ -1,0 +1,30 @@
+// Internal: how the fast wgmma backward cuts a key block's token list into pieces (FoldArgs::pieces,
+// FLASHMSA_BWD_PIECE), kept free of CUDA so that the CPU suite checks it (tests/test_list_pieces.cpp);
+// src/cuda/sm90/fused_backward.cu's build_list_pieces_kernel and its grid bound use it.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define FLASHMSA_HOST_DEVICE __host__ __device__
+#else
+#define FLASHMSA_HOST_DEVICE
+#endif
+
+namespace flashmsa {
+
+// The pieces of a list part of len entries, at most cap each: the fewest that hold it (none when empty).
+FLASHMSA_HOST_DEVICE inline int list_piece_count(int len, int cap) { return len > 0 ? (len + cap - 1) / cap : 0; }
+
+// Where piece j of the part [begin, begin + len) starts (j = count: its end): near-equal pieces in order,
+// each ending where the next starts.
+FLASHMSA_HOST_DEVICE inline int list_piece_begin(int begin, int len, int count, int j) {
+  return begin + static_cast<int>(static_cast<int64_t>(len) * j / count);
+}
+
+// The most pieces a proxy group's `parts` list parts holding `entries` entries in all can make: the sum of
+// ceil(len / cap) is at most the sum of floor(len / cap) plus one per part, and the floors sum to at most
+// floor(entries / cap). The piece grid's extent per group.
+inline int64_t max_list_pieces(int64_t parts, int64_t entries, int cap) { return parts + entries / cap; }
+
+}  // namespace flashmsa
