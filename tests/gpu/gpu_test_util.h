@@ -380,6 +380,18 @@ inline int64_t count_nonfinite(const std::vector<double>& x) {
   return n;
 }
 
+// call() must throw a flashmsa::Error whose message contains `text` (an argument's quoted name, or the
+// environment variable that refused the call).
+template <typename Call>
+void expect_error_containing(Call call, const std::string& text) {
+  try {
+    call();
+    ADD_FAILURE() << "no error containing " << text;
+  } catch (const flashmsa::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+  }
+}
+
 // An environment variable for one scope (nullptr: unset), restored after.
 class ScopedEnv {
  public:

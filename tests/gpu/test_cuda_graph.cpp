@@ -462,23 +462,15 @@ TEST(CudaWorkspace, OwnPoolKeepsItsMemory) {
   EXPECT_GE(reserved, high) << "the pool handed memory back at the synchronisation";
   GPUTEST_CUDA(cudaMemPoolTrimTo(pool, 0));
 
-  auto expect_error_naming = [](auto call, const char* argument) {
-    try {
-      call();
-      ADD_FAILURE() << "no error for a bad '" << argument << "'";
-    } catch (const flashmsa::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("'" + std::string(argument) + "'"), std::string::npos) << e.what();
-    }
-  };
-  expect_error_naming([] { flashmsa::workspace_memory_pool(-1); }, "device_index");
-  expect_error_naming([] { flashmsa::workspace_memory_pool(4096); }, "device_index");
-  expect_error_naming(
+  gputest::expect_error_containing([] { flashmsa::workspace_memory_pool(-1); }, "'device_index'");
+  gputest::expect_error_containing([] { flashmsa::workspace_memory_pool(4096); }, "'device_index'");
+  gputest::expect_error_containing(
       [] {
         flashmsa::WorkspaceAllocator half;
         half.allocate = &CountingAllocator::allocate;
         flashmsa::set_workspace_allocator(half);
       },
-      "allocator");
+      "'allocator'");
 }
 
 }  // namespace
