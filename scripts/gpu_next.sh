@@ -20,12 +20,14 @@
 #                                     / 64k, gqa8 16k (not yet run with chunks on an H200) and fm16k, checked,
 #                                     then HEAD's benchmark in the time left (the next record). ~4-5 min.
 #                                     RULE_CONFIGS (gpu_ab.sh's CONFIGS) narrows the A/B for a short call.
-# Next (as of the fifty-sixth session):
-#   0. the list pieces on N(0, 1) selections (opt-in since the fifty-sixth session, which measured the sink
-#      case only: fm16k backward 6.23 -> 3.66 ms on an H100): bash scripts/build_gpu_bundle.sh, carry
-#      ["scratch-gpu"], `bash scripts/gpu_sinks.sh` (sinks 0 / 1 x FLASHMSA_BWD_PIECE 0 / 2048 at fm16k, m3
-#      32k and 64k, checked) and the GPU suite with FLASHMSA_BWD_PIECE unset; if N(0, 1) loses nothing,
-#      make 2048 the default (fused_backward.cu, backward_piece_tokens) and run the suite with it.
+# Next (as of the fifty-seventh session, which had no device):
+#   0. the list pieces (opt-in; the fifty-sixth session measured the fast backward's sink case only: fm16k
+#      backward 6.23 -> 3.66 ms on an H100; the fifty-seventh extended them, unrun, to deterministic mode, the
+#      per-head form and the forward's KL value): bash scripts/build_gpu_bundle.sh, carry ["scratch-gpu"];
+#      first the GPU suite (CudaBackward.ListPieces now covers those), then
+#      `MODES="-;--forward-kl;--deterministic" PIECES="0 2048 4096" bash scripts/gpu_sinks.sh` (sinks 0 / 1 at
+#      fm16k, m3 32k and 64k, checked; ~4-5 min: narrow CONFIGS or MODES for a short call); if N(0, 1) loses
+#      nothing, make the best N the default (fused_backward.cu, backward_piece_tokens) and run the suite.
 #   (fifty-third session, which swept the backward's chunks on an H200: the H100's T / 16 loses there at
 #   64k, T / 8 gains from 16k to 32k, now the H200's default, measured with forced counts only:)
 #   1. ONLY_H200=1 END_S=560 bash scripts/gpu_next.sh rule (timeout_s 580).

@@ -1,4 +1,4 @@
-// Internal: how the fast wgmma backward cuts a key block's token list into pieces (FoldArgs::pieces,
+// Internal: how the wgmma backward (and its KL-only form) cuts a key block's token list into pieces (FoldArgs::pieces,
 // FLASHMSA_BWD_PIECE), kept free of CUDA so that the CPU suite checks it (tests/test_list_pieces.cpp);
 // src/cuda/sm90/fused_backward.cu's build_list_pieces_kernel and its grid bound use it.
 #pragma once

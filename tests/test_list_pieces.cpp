@@ -1,4 +1,4 @@
-// How the fast wgmma backward cuts key blocks' token lists into pieces (src/list_pieces.h,
+// How the wgmma backward (and its KL-only form) cuts key blocks' token lists into pieces (src/list_pieces.h,
 // FLASHMSA_BWD_PIECE): every entry in exactly one piece, no piece over the cap, the fewest pieces, sizes
 // within one of each other, and the grid bound never below the pieces a group makes. The GPU suite
 // (CudaBackward.ListPieces) covers the kernels' results with pieces.

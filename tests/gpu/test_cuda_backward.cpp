@@ -202,6 +202,21 @@ void compare(const Grads& gpu, const Grads& cpu, const std::string& what) {
   std::printf("  %s kl gpu %.6g cpu %.6g\n", what.c_str(), gpu.kl, cpu.kl);
 }
 
+// The CPU backend's forward KL value on st's selection (o and lse to scratch).
+float cpu_forward_kl(Setup& st) {
+  const Shape& s = st.pr.s;
+  const int64_t T = st.pr.T;
+  float kl = std::nanf("");
+  std::vector<uint16_t> o(static_cast<size_t>(T * s.H * s.D));
+  std::vector<float> lse(static_cast<size_t>(s.H * T));
+  flashmsa::sparse_attention_forward(st.pr.host_inputs(),
+                                     flashmsa::make_view(st.sel.data(), DType::int32, {s.Hp, T, s.K}), st.opt,
+                                     flashmsa::make_view(o.data(), DType::bf16, {T, s.H, s.D}),
+                                     flashmsa::make_view(lse.data(), DType::fp32, {s.H, T}),
+                                     flashmsa::make_view(&kl, DType::fp32, {1}));
+  return kl;
+}
+
 void check_backward(const Shape& s, uint64_t seed, bool pass_kl_grad = false, float kl_grad = 1.f,
                     bool deterministic_too = false) {
   Setup st;
@@ -562,16 +577,7 @@ void check_kl_value_shared_kv(const Shape& shp, uint64_t seed) {
   make_setup(st, shp, seed, false, 1.f);
   const Shape& s = st.pr.s;
   const int64_t T = st.pr.T;
-  float cpu_kl = std::nanf("");
-  {
-    std::vector<uint16_t> o(static_cast<size_t>(T * s.H * s.D));
-    std::vector<float> lse(static_cast<size_t>(s.H * T));
-    flashmsa::sparse_attention_forward(st.pr.host_inputs(),
-                                       flashmsa::make_view(st.sel.data(), DType::int32, {s.Hp, T, s.K}), st.opt,
-                                       flashmsa::make_view(o.data(), DType::bf16, {T, s.H, s.D}),
-                                       flashmsa::make_view(lse.data(), DType::fp32, {s.H, T}),
-                                       flashmsa::make_view(&cpu_kl, DType::fp32, {1}));
-  }
+  const float cpu_kl = cpu_forward_kl(st);
   DeviceBuffer sel(st.sel.size() * 4), o(static_cast<size_t>(T * s.H * s.D) * 2),
       lse(static_cast<size_t>(s.H * T) * 4), kl(4);
   sel.upload(st.sel);
@@ -817,47 +823,6 @@ TEST(CudaBackward, OwnBlockPass) {
   check_own_pass(shape(32, 4, 4, 4, 128, 5, {1500, 1}), 59);
 }
 
-// List pieces (FoldArgs::pieces): with FLASHMSA_BWD_PIECE small, every list is cut into many pieces of
-// uneven tile counts, in both forms that take them (token rows with and without token chunks and the
-// own-block pass; SHARED_KV), on a selection where every row that can also keeps its sequence's first
-// block (an attention sink: that block's list holds every token). Deterministic mode does not take
-// the pieces: the set variable refuses it by name.
-void check_list_pieces(const Shape& s, uint64_t seed, std::vector<const char*> chunks) {
-  Setup st;
-  make_setup(st, s, seed, true, 0.7f, [&](Setup& x) {
-    for (int p = 0; p < s.Hp; ++p)
-      for (int64_t t = 0; t < x.pr.T; ++t) {
-        int32_t* row = x.sel.data() + (static_cast<int64_t>(p) * x.pr.T + t) * s.K;
-        // Rows ascend with padding last: the smallest block gives way to block 0 when the row keeps
-        // another block (the own one, the largest) and lacks block 0.
-        if (row[0] > 0 && s.K > 1 && row[1] >= 0) row[0] = 0;
-      }
-  });
-  const Grads cpu = run_cpu(st);
-  DeviceSide d;
-  upload(d, st);
-  gputest::PoisonedWorkspace poison;
-  for (const char* piece : {"50", "300"}) {
-    gputest::ScopedEnv pieces("FLASHMSA_BWD_PIECE", piece);  // an error unless the pieces apply
-    for (const char* chunk : chunks) {
-      gputest::ScopedEnv env("FLASHMSA_BWD_CHUNK", chunk);
-      compare(run_gpu(d, st, false), cpu, std::string("pieces of ") + piece + " tokens, chunk " + chunk);
-    }
-    gputest::expect_error_containing([&] { run_gpu(d, st, true); }, "FLASHMSA_BWD_PIECE");
-  }
-  gputest::ScopedEnv off("FLASHMSA_BWD_PIECE", "0");
-  compare(run_gpu(d, st, false), cpu, "no pieces");
-}
-
-TEST(CudaBackward, ListPieces) {
-  GPUTEST_REQUIRE_DEVICE();
-  {
-    gputest::ScopedEnv rows("FLASHMSA_BWD_ROWS", "1");  // an error unless the token-row form runs
-    check_list_pieces(shape(64, 4, 4, 1, 128, 16, {2000, 333, 700}), 61, {"0", "96", "1024"});
-  }
-  check_list_pieces(shape(16, 2, 4, 1, 128, 8, {1800, 1, 500}), 62, {"0"});  // SHARED_KV (G = 2)
-}
-
 // The sparse forward (o, lse, KL value) on the device copies of st, with a caller's index or none.
 struct ForwardOut {
   std::vector<uint16_t> o;
@@ -881,6 +846,78 @@ ForwardOut run_gpu_forward(DeviceSide& d, const Setup& st, bool deterministic, c
   return {o.download<uint16_t>(), lse.download<float>(), kl.download<float>()[0]};
 }
 
+// List pieces (FoldArgs::pieces): with FLASHMSA_BWD_PIECE small, every list is cut into many pieces of
+// uneven tile counts, in every form of the wgmma backward (token rows with and without token chunks
+// and the own-block pass, SHARED_KV, per-head tiles), fast and deterministic, and in the forward's
+// KV-major KL value, on a selection where every row that can also keeps its sequence's first block
+// (an attention sink: that block's list holds every token). The mma.sync backward does not take the
+// pieces: the set variable refuses it by name.
+void check_list_pieces(const Shape& s, uint64_t seed, std::vector<const char*> chunks) {
+  Setup st;
+  make_setup(st, s, seed, true, 0.7f, [&](Setup& x) {
+    for (int p = 0; p < s.Hp; ++p)
+      for (int64_t t = 0; t < x.pr.T; ++t) {
+        int32_t* row = x.sel.data() + (static_cast<int64_t>(p) * x.pr.T + t) * s.K;
+        // Rows ascend with padding last: the smallest block gives way to block 0 when the row keeps
+        // another block (the own one, the largest) and lacks block 0.
+        if (row[0] > 0 && s.K > 1 && row[1] >= 0) row[0] = 0;
+      }
+  });
+  const Grads cpu = run_cpu(st);
+  const float cpu_kl_fwd = cpu_forward_kl(st);
+  ASSERT_TRUE(std::isfinite(cpu_kl_fwd));
+  EXPECT_GT(cpu_kl_fwd, 0.f) << "a KL of zero would make the check vacuous";
+  DeviceSide d;
+  upload(d, st);
+  gputest::PoisonedWorkspace poison;
+  // The forward's KL value without pieces, on the deterministic forward's lse (bitwise the same in
+  // every run): with pieces only the order of the fp32 sums changes, so a share lost or counted
+  // twice (one of thousands) shows against the 1e-5 bound.
+  float det_kl_whole = 0;
+  {
+    gputest::ScopedEnv off("FLASHMSA_BWD_PIECE", "0");
+    ScopedBackwardPath path("wgmma");  // an error unless the KV-major KL value runs
+    det_kl_whole = run_gpu_forward(d, st, true, {}).kl;
+  }
+  for (const char* piece : {"50", "300"}) {
+    gputest::ScopedEnv pieces("FLASHMSA_BWD_PIECE", piece);  // an error unless the pieces apply
+    const std::string what = std::string("pieces of ") + piece + " tokens";
+    for (const char* chunk : chunks) {
+      gputest::ScopedEnv env("FLASHMSA_BWD_CHUNK", chunk);
+      compare(run_gpu(d, st, false), cpu, what + ", chunk " + chunk);
+      const Grads det = run_gpu(d, st, true);
+      compare(det, cpu, what + ", deterministic, chunk " + chunk);
+      expect_bitwise_reruns(d, st, det, 2, "deterministic with pieces");
+    }
+    {
+      // The KV-major KL value runs (else an error) and, pieces set, takes them (it refuses nothing).
+      ScopedBackwardPath path("wgmma");
+      const float kl = run_gpu_forward(d, st, false, {}).kl, det_kl = run_gpu_forward(d, st, true, {}).kl;
+      EXPECT_LT(std::fabs(kl - cpu_kl_fwd), 1e-2 * std::fabs(cpu_kl_fwd))
+          << what << ": forward kl " << kl << " vs CPU " << cpu_kl_fwd;
+      EXPECT_LT(std::fabs(det_kl - det_kl_whole), 1e-5 * std::fabs(det_kl_whole))
+          << what << ": deterministic forward kl " << det_kl << " vs " << det_kl_whole << " without pieces";
+      std::printf("  %s: forward kl %.7g, deterministic %.7g (without pieces %.7g), CPU %.7g\n", what.c_str(), kl,
+                  det_kl, det_kl_whole, cpu_kl_fwd);
+    }
+    ScopedBackwardPath mma("mma");
+    gputest::expect_error_containing([&] { run_gpu(d, st, false); }, "FLASHMSA_BWD_PIECE");
+  }
+  gputest::ScopedEnv off("FLASHMSA_BWD_PIECE", "0");
+  compare(run_gpu(d, st, false), cpu, "no pieces");
+  compare(run_gpu(d, st, true), cpu, "no pieces, deterministic");
+}
+
+TEST(CudaBackward, ListPieces) {
+  GPUTEST_REQUIRE_DEVICE();
+  {
+    gputest::ScopedEnv rows("FLASHMSA_BWD_ROWS", "1");  // an error unless the token-row form runs
+    check_list_pieces(shape(64, 4, 4, 1, 128, 16, {2000, 333, 700}), 61, {"0", "96", "1024"});
+  }
+  check_list_pieces(shape(16, 2, 4, 1, 128, 8, {1800, 1, 500}), 62, {"0"});  // SHARED_KV (G = 2)
+  check_list_pieces(shape(16, 4, 4, 1, 128, 8, {1700, 90}), 63, {"0"});      // per-head tiles (m = 4, G = 1)
+}
+
 // The step's selection index built once (build_selection_index) and read by the forward, its KL
 // value and the backward instead of their own builds: the CUDA build equals the CPU backend's
 // bytewise (tests/test_selection_index.cpp checks that one against block_idx); deterministic
@@ -890,15 +927,7 @@ void check_index_reuse(const Shape& s, uint64_t seed) {
   Setup st;
   make_setup(st, s, seed, true, 0.7f);
   const Grads cpu = run_cpu(st);
-  float cpu_kl_fwd = std::nanf("");
-  {
-    std::vector<uint16_t> o(st.o.size());
-    std::vector<float> lse(st.lse.size());
-    flashmsa::sparse_attention_forward(st.pr.host_inputs(), flashmsa::make_view(st.sel.data(), DType::int32, {s.Hp, st.pr.T, s.K}),
-                                       st.opt, flashmsa::make_view(o.data(), DType::bf16, {st.pr.T, s.H, s.D}),
-                                       flashmsa::make_view(lse.data(), DType::fp32, {s.H, st.pr.T}),
-                                       flashmsa::make_view(&cpu_kl_fwd, DType::fp32, {1}));
-  }
+  const float cpu_kl_fwd = cpu_forward_kl(st);
   DeviceSide d;
   upload(d, st);
   gputest::PoisonedWorkspace poison;  // NaN workspace: a buffer the prebuilt plans forget shows

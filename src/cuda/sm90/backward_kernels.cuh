@@ -403,11 +403,12 @@ struct FoldArgs {
   // n_chunks. own_pass = 0 with own_end: the chunk CTAs skip the own entries and reduce-add.
   const int32_t* own_end = nullptr;  // [Hp, NB]
   int own_pass = 0;
-  // The wgmma kernel (fused_backward.cu: its DET forms without token chunks):
+  // The wgmma kernel (fused_backward.cu: its DET forms without token chunks or list pieces):
   // dkp_acc is [T, Hp, D] fp32, one partial per proxy head, instead of the shared [T, Hpk, D].
   bool dkp_per_head = false;
-  // Fast mode's list pieces (fused_backward.cu, build_list_pieces; the wgmma kernel's main launch,
-  // not the own-block pass). A list holds every token that selected its block: an attention sink's
+  // List pieces (fused_backward.cu, build_list_pieces_kernel): the wgmma kernel's main launch, fast
+  // and deterministic (not the own-block pass), and its KL_ONLY form (launch_kl_value: no chunks,
+  // kl_slot0 = 0). A list holds every token that selected its block: an attention sink's
   // holds every token of the sequence, and in one CTA it outlasted the launch. So each list (its
   // token chunk's part, with chunks) is cut into pieces of at most FLASHMSA_BWD_PIECE tokens, laid
   // out per proxy group in the grid's order: grid x runs over (piece, group in the sweep), and the

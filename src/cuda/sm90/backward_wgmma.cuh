@@ -3,9 +3,10 @@
 // attn_bwd_kernel<128, FOLD = true, DQ = true> computes (same accumulators, same outputs) for the
 // case fused_backward.cu routes here: D = Dv = Dp = 128, every kv head holds G = Hp/Hkv >= 1
 // whole proxy groups of m = H/Hp >= 2 heads ((H/Hkv) % m == 0). G = 1 (m3, gqa8): dk/dv owned by
-// the CTA, stored as bf16. G > 1 (SHARED_KV, fm16k: G = 2): the G groups' CTAs of a key block add
-// into the same dk/dv rows, through fp32 accumulators (int64 fixed point with DET) that
-// fused_backward.cu converts to bf16 afterwards.
+// the CTA, stored as bf16 (with token chunks or list pieces: partial sums added like SHARED_KV's).
+// G > 1 (SHARED_KV, fm16k: G = 2): the G groups' CTAs of a key block add into the same dk/dv rows,
+// through fp32 accumulators (int64 fixed point with DET) that fused_backward.cu converts to bf16
+// afterwards.
 //
 // Why: the mma.sync kernel has 8 warps that each re-read the whole Q and dO tiles with ldmatrix
 // and is bound by shared-memory bandwidth and latency; wgmma reads a shared operand once per
@@ -37,8 +38,9 @@
 // two barriers; with token rows: dQ and dqp staged as int32 fixed point (see below the kernel's
 // template comment). dqp (per-head form) goes out as int64 fixed-point atomics (integer adds
 // commute: the sums do not depend on the atomics' order), dkp as fp32 partials with one writer per
-// row (FoldArgs::dkp_per_head; int64 fixed point with token chunks). dK, dV (owned) and the KL share
-// have a fixed order already; SHARED_KV's dK, dV go out as fixed point too (factors fx[1], fx[2]).
+// row (FoldArgs::dkp_per_head; int64 fixed point with token chunks or list pieces). dK, dV (owned)
+// and the KL shares have a fixed order already; SHARED_KV's dK, dV (and every form's with chunks or
+// pieces) go out as fixed point too (factors fx[1], fx[2]).
 //
 // Operand orientation (every tile bf16, 128-byte swizzle; key tiles are 64-column slabs of R rows x
 // 128 B, token tiles [8-row group][slab][8 rows] as WgLayout says):
@@ -321,12 +323,12 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     const float* __restrict__ di,  // [T, H] rowsum(dO * O)
     Index ix, int H, int Hkv, int Hp, float scale,
     float* __restrict__ dq_acc,    // [T, H, 128] fp32; DET: int32 (same layout) with RM > 0, else unused
-    bf16* __restrict__ dk,         // [T, Hkv, 128] (owned: this CTA is the only writer of its rows)
+    bf16* __restrict__ dk,         // [T, Hkv, 128] (owned: the CTA is its rows' only writer; else dk_acc)
     bf16* __restrict__ dv,         // [T, Hkv, 128]
     FoldArgs fa,                   // with DET, dqp_acc is int64 (RM > 0: int32), dkp_acc int64 or fp32 partials
     const float* __restrict__ fx,  // [7] fixed-point factors (fixed_point_kernel), read only with DET
-    void* __restrict__ dk_acc,     // [T, Hkv, 128] fp32 (int64 with DET), SHARED_KV only (else unused)
-    void* __restrict__ dv_acc,     // [T, Hkv, 128] fp32 (int64 with DET), SHARED_KV only
+    void* __restrict__ dk_acc,     // [T, Hkv, 128] fp32 (int64 with DET): SHARED_KV, token chunks, list pieces
+    void* __restrict__ dv_acc,     // [T, Hkv, 128] fp32 (int64 with DET): as dk_acc
     // RM > 0: q and d_o as make_bf16_head_group_map(.., RM / 8) (a box = one token's RM rows of
     // the group); unused otherwise.
     const __grid_constant__ CUtensorMap q_rows_map, const __grid_constant__ CUtensorMap do_rows_map) {
@@ -373,14 +375,23 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   constexpr bool kChunkable = kSweep && RM > 0;
   const int S = kSweep ? fa.sweep_groups : Hp;
   const int gx = blockIdx.x / S, p = (kSweep ? static_cast<int>(blockIdx.y) * S : 0) + blockIdx.x % S;
-  // List pieces: the fast token-row and SHARED_KV forms only (the others compile as before; with
-  // them the producer's 24 registers spilled).
-  constexpr bool kPieces = !DET && !KL_ONLY && (RM > 0 || SHARED_KV);
-  const bool pieces = kPieces && fa.pieces != nullptr;
+  // List pieces (FoldArgs::pieces), every form. The CTA's piece record is addressed from %ctaid
+  // through an opaque move each time: the producer loads its range again after its register drop
+  // rather than carry it from here (on 24 registers, carried, it spilled in four forms).
+  const bool pieces = fa.pieces != nullptr;
+  auto piece_record = [&]() {
+    unsigned cx, cy;
+    asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(cx));
+    asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(cy));
+    const int s_ = kSweep ? fa.sweep_groups : Hp;
+    const int p_ = (kSweep ? static_cast<int>(cy) * s_ : 0) + static_cast<int>(cx % s_);
+    return reinterpret_cast<const int*>(fa.pieces + static_cast<int64_t>(p_) * fa.piece_stride + cx / s_);
+  };
   int4 piece = make_int4(0, 0, 0, 0);  // {g, begin, end}
   if (pieces) {
     if (gx >= __ldg(fa.n_pieces + p)) return;  // CTA-uniform
-    piece = __ldg(fa.pieces + static_cast<int64_t>(p) * fa.piece_stride + gx);
+    const int* at = piece_record();
+    piece = make_int4(__ldg(at), __ldg(at + 1), __ldg(at + 2), 0);
   }
   const int chunk = kChunkable && fa.n_chunks > 0 && !pieces ? gx / ix.NB : 0;
   // g_grid: the grid's key block (a function of the CTA index, free to recompute after the loop).
@@ -430,6 +441,11 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     // ------------------------------------------------------------------ producer
     setmaxnreg_dec<24>();
     if (steps == 0) return;
+    if (pieces) {
+      const int* at = piece_record();
+      bc.begin = __ldg(at + 1);
+      bc.end = __ldg(at + 2);
+    }
     const int pt = threadIdx.x;
     // Keys past the sequence end are zero-filled (they belong to another sequence or lie past T).
     {
@@ -439,9 +455,11 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
         const bool ok = key < bc.seq_len;
         const int64_t row = ok ? bc.seq_start + key : 0;
         const uint32_t off = rr * 128 + (c >> 3) * L::kKeySlab + (((c & 7) ^ (rr & 7)) << 4);
-        cp_async_16(smem_u32(sK + off), k + (row * Hkv + kvh) * D + 8 * c, ok);
-        if constexpr (!KL_ONLY) cp_async_16(smem_u32(sV + off), v + (row * Hkv + kvh) * D + 8 * c, ok);
-        cp_async_16(smem_u32(sKp + off), fa.kp + (row * fa.Hpk + pk) * D + 8 * c, ok);
+        // The heads as unsigned: no sign word to keep beside them in the 24 registers.
+        const int64_t at_k = (row * Hkv + static_cast<uint32_t>(kvh)) * D + 8 * c;
+        cp_async_16(smem_u32(sK + off), k + at_k, ok);
+        if constexpr (!KL_ONLY) cp_async_16(smem_u32(sV + off), v + at_k, ok);
+        cp_async_16(smem_u32(sKp + off), fa.kp + (row * fa.Hpk + static_cast<uint32_t>(pk)) * D + 8 * c, ok);
       }
     }
     cp_async_mbar_arrive_noinc(kv_full);
@@ -870,7 +888,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       // dkp share of this tile, rows = this WG's keys, in two 64-column halves (32 registers each):
       // fp32 REDs into the shared [T, Hpk, D] accumulator (fast form), or into partial p of [T, Hp, D]
       // (fa.dkp_per_head). DET with the partials: rows (key, p) get adds from this CTA only (one CTA per
-      // (p, key block) without token chunks), each element always from the same lane, and one thread's
+      // (p, key block) without token chunks or list pieces), each element always from the same lane, and one thread's
       // REDs to one address apply in program order (PTX memory model: program order is part of
       // causality order, which coherence order follows; a vector RED is one RED per element), so the
       // sums do not depend on timing; the Hp / Hpk partials of a key head are summed in a fixed order

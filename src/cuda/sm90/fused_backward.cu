@@ -327,8 +327,8 @@ int backward_chunk_tokens(int64_t T, bool det) {
   const int64_t count = default_backward_chunk_count(T, det, dram_peak_bytes_per_s(device));
   return count > 0 ? static_cast<int>((T + count - 1) / count) : 0;
 }
-// Tokens per list piece of the fast wgmma backward (FoldArgs::pieces; 0: none, the grid's own
-// (chunk, block) CTAs). FLASHMSA_BWD_PIECE sets it (read per call; set, it makes a problem the pieces
+// Tokens per list piece of the wgmma backward and of its KL-only form (FoldArgs::pieces; 0: none, the
+// grid's own (chunk, block) CTAs). FLASHMSA_BWD_PIECE sets it (read per call; set, it makes a problem the pieces
 // do not apply to an error: how tests prove they ran); 2048 is about the mean list (K x 128 tokens at
 // K = 16), so that N(0, 1) selections are cut little and an attention sink's list of every token
 // spreads over T / 2048 CTAs: fm16k with a sink block, H100, backward 6.23-6.26 -> 3.66 ms
@@ -429,6 +429,31 @@ __global__ void __launch_bounds__(1024) build_list_pieces_kernel(bwd::Index ix, 
     __syncthreads();
   }
   if (threadIdx.x == 0) n_pieces[p] = running;
+}
+
+// Where list pieces go in a workspace: the table, its per-group counts and the grid's pieces per
+// group (piece_stride, a bound: max_list_pieces over NB x max(nc, 1) list parts of <= T K entries).
+struct ListPiecePlan {
+  int tokens = 0, stride = 0;  // tokens = 0: no pieces
+  size_t o_pieces = 0, o_n_pieces = 0;
+};
+ListPiecePlan plan_list_pieces(const MsaParams& p, int64_t nb, int nc, int tokens, Workspace& ws) {
+  ListPiecePlan lp;
+  if (tokens <= 0) return lp;
+  const int64_t stride = max_list_pieces(nb * std::max(nc, 1), p.T * p.top_k, tokens);
+  if (stride * p.Hp > INT_MAX)
+    throw Error("flashmsa: list pieces: argument 'q': too many for one launch (raise FLASHMSA_BWD_PIECE)");
+  lp.tokens = tokens;
+  lp.stride = static_cast<int>(stride);
+  lp.o_pieces = ws.add(p.Hp * stride * sizeof(int4));
+  lp.o_n_pieces = ws.add(p.Hp * sizeof(int32_t));
+  return lp;
+}
+void launch_build_list_pieces(const MsaParams& p, const bwd::Index& ix, int nc, const int32_t* chunk_bounds,
+                              const int32_t* own_end, const ListPiecePlan& lp, Workspace& ws, cudaStream_t stream) {
+  build_list_pieces_kernel<<<p.Hp, 1024, 0, stream>>>(ix, nc, chunk_bounds, own_end, lp.tokens, lp.stride,
+                                                      ws.at<int4>(lp.o_pieces), ws.at<int32_t>(lp.o_n_pieces));
+  FLASHMSA_CHECK_LAUNCH();
 }
 
 // The own-block pass stores the dq / dqp rows of every token in its own block's list; the rows of a
@@ -635,8 +660,6 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
           };
           if (own_end && (shared_kv || det || token_rows == 0))
             throw Error("flashmsa: fused_backward: internal error: the own-block pass planned for a form without it");
-          if (pieces && (det || !(token_rows > 0 || shared_kv)))
-            throw Error("flashmsa: fused_backward: internal error: list pieces planned for a form without them");
           if (own_end) {  // the own-block pass first (stream order puts its stores before every add)
             fw.own_pass = 1;
             go(ix.NB);
@@ -689,13 +712,16 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
   FLASHMSA_CHECK_LAUNCH();
 }
 
-// launch_kl_value's workspace: the inverted index, then lse_s and the per-(p, block) shares. The
-// student's partials reuse the index's unsorted keys and values, dead once the sort is done (their
-// own buffers with a caller's prebuilt index).
+// launch_kl_value's workspace: the inverted index, then lse_s and the per-(p, block) shares (with
+// list pieces: per (p, piece), and the pieces' table). The student's partials reuse the index's
+// unsorted keys and values, dead once the sort is done (their own buffers with a caller's prebuilt
+// index).
 struct KlValuePlan {
   SelectionIndexPlan sel;
   Workspace ws;
   size_t o_part_max = 0, o_part_sum = 0, o_lse_s = 0, o_kl_part = 0;
+  ListPiecePlan pieces;
+  int64_t n_kl_part = 0;
 };
 
 KlValuePlan plan_kl_value(const MsaParams& p, cudaStream_t stream) {
@@ -708,7 +734,15 @@ KlValuePlan plan_kl_value(const MsaParams& p, cudaStream_t stream) {
   kp.o_part_max = own ? kp.ws.add(kp.sel.n_entries * sizeof(float)) : kp.sel.o_keys_in;
   kp.o_part_sum = own ? kp.ws.add(kp.sel.n_entries * sizeof(float)) : kp.sel.o_vals_in;
   kp.o_lse_s = kp.ws.add(static_cast<size_t>(p.Hp) * p.T * sizeof(float));
-  kp.o_kl_part = kp.ws.add(std::max<int64_t>(kp.sel.nkeys, 1) * sizeof(float));
+  // List pieces as in the backward (FLASHMSA_BWD_PIECE): one CTA per piece of a key block's list,
+  // so that an attention sink's list does not hold one CTA for the whole sequence. Not with the
+  // alternating waves of the dense warm-up (fa.wave_ctas counts waves along the grid's CTAs, which
+  // the pieces would reorder); there the variable is ignored rather than refused, so that the check
+  // cannot fail after the forward has run.
+  const int tokens = alternate_waves(p) ? 0 : backward_piece_tokens().tokens;
+  kp.pieces = plan_list_pieces(p, kp.sel.nkeys / std::max(p.Hp, 1), 0, tokens, kp.ws);
+  kp.n_kl_part = kp.pieces.tokens > 0 ? static_cast<int64_t>(p.Hp) * kp.pieces.stride : kp.sel.nkeys;
+  kp.o_kl_part = kp.ws.add(std::max<int64_t>(kp.n_kl_part, 1) * sizeof(float));
   return kp;
 }
 
@@ -747,14 +781,23 @@ void launch_kl_value(const MsaParams& p, cudaStream_t stream) {
   fa.kl_part = ws.at<float>(kp.o_kl_part);
   fa.Hpk = p.Hpk;
   fa.scale_p = p.proxy_scale;
+  unsigned grid = static_cast<unsigned>(ix.NB) * p.Hp;
+  if (kp.pieces.tokens > 0) {
+    launch_build_list_pieces(p, ix, 0, nullptr, nullptr, kp.pieces, ws, stream);
+    FLASHMSA_CUDA_CHECK(cudaMemsetAsync(fa.kl_part, 0, kp.n_kl_part * sizeof(float), stream));  // unused slots
+    fa.pieces = ws.at<int4>(kp.pieces.o_pieces);
+    fa.n_pieces = ws.at<int32_t>(kp.pieces.o_n_pieces);
+    fa.piece_stride = kp.pieces.stride;
+    grid = static_cast<unsigned>(kp.pieces.stride) * p.Hp;
+  }
   constexpr int smem = bwd::WgKl::kSmem;
   set_smem(bwd::attn_bwd_wgmma_kernel<true>, smem);
   if (alternate_waves(p)) fa.wave_ctas = resident_ctas(bwd::attn_bwd_wgmma_kernel<true>, bwd::WgKl::kThreads, smem);
-  bwd::attn_bwd_wgmma_kernel<true><<<static_cast<unsigned>(ix.NB) * p.Hp, bwd::WgKl::kThreads, smem, stream>>>(
+  bwd::attn_bwd_wgmma_kernel<true><<<grid, bwd::WgKl::kThreads, smem, stream>>>(
       static_cast<const bf16*>(p.q), static_cast<const bf16*>(p.k), nullptr, nullptr, p.lse, nullptr, ix, p.H,
       p.Hkv, p.Hp, p.scale, nullptr, nullptr, nullptr, fa, nullptr, nullptr, nullptr, CUtensorMap{}, CUtensorMap{});
   FLASHMSA_CHECK_LAUNCH();
-  launch_kl_final(p, stream, ws.at<float>(kp.o_kl_part), kp.sel.nkeys);
+  launch_kl_final(p, stream, ws.at<float>(kp.o_kl_part), kp.n_kl_part);
   ws.release();
 }
 
@@ -834,15 +877,14 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   const int n_chunks = token_rows > 0 && !alternate_waves(p) && chunk_tokens > 0 && chunk_tokens < T
                            ? static_cast<int>((T + chunk_tokens - 1) / chunk_tokens)
                            : 0;
-  // List pieces (FoldArgs::pieces): the fast token-row and SHARED_KV (G > 1) forms, not the dense
-  // warm-up (its alternating waves); their dk / dv then go through the accumulators.
+  // List pieces (FoldArgs::pieces): every form of the wgmma kernel, fast and deterministic, not the
+  // dense warm-up (its alternating waves); dk / dv then go through the accumulators (deterministic:
+  // int64 fixed point, as with token chunks).
   const PieceSetting piece_setting = backward_piece_tokens();
-  const bool use_pieces = piece_setting.tokens > 0 && !det && takes_wgmma && (token_rows > 0 || p.Hp > p.Hkv) &&
-                          !alternate_waves(p);
+  const bool use_pieces = piece_setting.tokens > 0 && takes_wgmma && !alternate_waves(p);
   if (piece_setting.forced && !use_pieces)
-    throw Error("flashmsa: fused_backward: FLASHMSA_BWD_PIECE is set, but list pieces do not apply (argument "
-                "'deterministic': fast mode only; argument 'q': the wgmma backward with token rows or groups sharing "
-                "a kv head; not the dense warm-up)");
+    throw Error("flashmsa: fused_backward: FLASHMSA_BWD_PIECE is set, but list pieces do not apply (argument 'q': "
+                "the wgmma backward, not the dense warm-up)");
   const bool dkv_in_acc = !main_owned || n_chunks > 0 || use_pieces;
   // The own-block pass (FoldArgs::own_pass; fast mode with token chunks): the first contribution to
   // each dq / dqp row is stored, so those 2.1 + 0.13 GB at m3/64k are not zeroed first.
@@ -854,7 +896,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
     throw Error("flashmsa: fused_backward: FLASHMSA_BWD_OWN_PASS=1, but the own-block pass does not apply (argument "
                 "'deterministic': fast mode only; argument 'block_idx': a block selection, not the dense warm-up; "
                 "and token chunks: the token-row backward with more tokens than FLASHMSA_BWD_CHUNK)");
-  // Deterministic dkp on the wgmma kernel without token chunks: one fp32 partial per proxy head
+  // Deterministic dkp on the wgmma kernel without token chunks or list pieces: one fp32 partial per proxy head
   // ([T, Hp, Dp]; every row added by one CTA, in a fixed order: FoldArgs::dkp_per_head), summed over
   // the R = Hp / Hpk heads of a key head at the end, instead of int64 fixed-point REDs into [T, Hpk, Dp]:
   // 16-byte fp32 REDs instead of four 8-byte ones per lane (the int64 REDs cost 6.6 ms of the
@@ -863,10 +905,10 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // FLASHMSA_DET_DKP=int64 keeps the fixed point, =partials makes it an error when the partials do not
   // apply (tests; read per call). In fast mode the partials measured slower than the shared fp32
   // accumulator (m3/64k backward +0.1 ms, fm16k +0.06: perf-notes), so it keeps that.
-  const bool det_partials_apply = det && takes_wgmma && n_chunks == 0 && p.Hp <= 4 * p.Hpk;
+  const bool det_partials_apply = det && takes_wgmma && n_chunks == 0 && !use_pieces && p.Hp <= 4 * p.Hpk;
   if (det && env_is("FLASHMSA_DET_DKP", "partials") && !det_partials_apply)
     throw Error("flashmsa: fused_backward: FLASHMSA_DET_DKP=partials, but the per-proxy-head dkp partials do not "
-                "apply (argument 'qp': the wgmma backward, no token chunks, Hp <= 4 Hpk)");
+                "apply (argument 'qp': the wgmma backward, no token chunks or list pieces, Hp <= 4 Hpk)");
   const bool dkp_per_head = det_partials_apply && !env_is("FLASHMSA_DET_DKP", "int64");
   const int64_t dkp_rows = dkp_per_head ? p.Hp : p.Hpk;
   const size_t dkp_elem = dkp_per_head ? 4 : acc_elem;
@@ -879,18 +921,11 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   reserve_selection_lists(sel, p, ws, stream);  // its scratch: over the accumulators, below
   const size_t o_di = ws.add(T * p.H * sizeof(float));
   const size_t o_lse_s = ws.add(static_cast<size_t>(p.Hp) * T * sizeof(float));
-  // Pieces per proxy group at most, over its NB x max(n_chunks, 1) list parts of <= T K entries in all.
   const int64_t nb = nkeys / p.Hp;
-  const int64_t piece_stride64 =
-      use_pieces ? max_list_pieces(nb * std::max(n_chunks, 1), T * K, piece_setting.tokens) : 0;
-  if (piece_stride64 * p.Hp > INT_MAX)
-    throw Error("flashmsa: fused_backward: argument 'q': too many list pieces for one launch (raise FLASHMSA_BWD_PIECE)");
-  const int piece_stride = static_cast<int>(piece_stride64);
+  const ListPiecePlan pieces = plan_list_pieces(p, nb, n_chunks, use_pieces ? piece_setting.tokens : 0, ws);
   const int64_t kl_slot0 = std::max<int64_t>(nkeys, 1) * (std::max(n_chunks, 1) + (own_split ? 1 : 0));
-  const int64_t n_kl_part = kl_slot0 + p.Hp * piece_stride64;
+  const int64_t n_kl_part = kl_slot0 + static_cast<int64_t>(p.Hp) * pieces.stride;
   const size_t o_kl_part = ws.add(n_kl_part * sizeof(float));
-  const size_t o_pieces = use_pieces ? ws.add(p.Hp * piece_stride64 * sizeof(int4)) : 0;
-  const size_t o_n_pieces = use_pieces ? ws.add(p.Hp * sizeof(int32_t)) : 0;
   const size_t o_chunk_bounds = n_chunks > 0 ? ws.add(nkeys * (n_chunks + 1) * sizeof(int32_t)) : 0;
   const size_t o_own_end = own_split ? ws.add(nkeys * sizeof(int32_t)) : 0;
   const int64_t n_dq = T * p.H * p.D, n_dqp = T * p.Hp * p.Dp;
@@ -959,11 +994,8 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   }
   if (use_pieces) {
     if (nb != ix.NB) throw Error("flashmsa: fused_backward: internal error: list pieces planned for another index");
-    build_list_pieces_kernel<<<p.Hp, 1024, 0, stream>>>(
-        ix, n_chunks, n_chunks > 0 ? ws.at<int32_t>(o_chunk_bounds) : nullptr,
-        own_split ? ws.at<int32_t>(o_own_end) : nullptr, piece_setting.tokens, piece_stride,
-        ws.at<int4>(o_pieces), ws.at<int32_t>(o_n_pieces));
-    FLASHMSA_CHECK_LAUNCH();
+    launch_build_list_pieces(p, ix, n_chunks, n_chunks > 0 ? ws.at<int32_t>(o_chunk_bounds) : nullptr,
+                             own_split ? ws.at<int32_t>(o_own_end) : nullptr, pieces, ws, stream);
   }
   // Empty chunks and the pieces' unused slots write no KL share.
   if (n_chunks > 0 || use_pieces)
@@ -1051,8 +1083,8 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
     run_kernels<D>(p, stream, ix, ws.at<float>(o_di), ws.at<float>(o_lse_s), dq_acc, dqp_acc, dk_acc, dv_acc,
                    dkp_acc, fx, row_fx, ws.at<float>(o_kl_part), main_owned, kl_owned, nseg, fold, token_rows,
                    n_chunks, n_chunks > 0 ? ws.at<int32_t>(o_chunk_bounds) : nullptr, dkp_per_head,
-                   own_split ? ws.at<int32_t>(o_own_end) : nullptr, use_pieces ? ws.at<int4>(o_pieces) : nullptr,
-                   use_pieces ? ws.at<int32_t>(o_n_pieces) : nullptr, piece_stride, kl_slot0);
+                   own_split ? ws.at<int32_t>(o_own_end) : nullptr, use_pieces ? ws.at<int4>(pieces.o_pieces) : nullptr,
+                   use_pieces ? ws.at<int32_t>(pieces.o_n_pieces) : nullptr, pieces.stride, kl_slot0);
   };
   if (p.D == 64) run(std::integral_constant<int, 64>{});
   else run(std::integral_constant<int, 128>{});
