@@ -20,20 +20,23 @@
 #                                     / 64k, gqa8 16k (not yet run with chunks on an H200) and fm16k, checked,
 #                                     then HEAD's benchmark in the time left (the next record). ~4-5 min.
 #                                     RULE_CONFIGS (gpu_ab.sh's CONFIGS) narrows the A/B for a short call.
-# Next (as of the fifty-seventh session, which had no device):
-#   0. the list pieces (opt-in; the fifty-sixth session measured the fast backward's sink case only: fm16k
-#      backward 6.23 -> 3.66 ms on an H100; the fifty-seventh extended them, unrun, to deterministic mode, the
-#      per-head form and the forward's KL value): bash scripts/build_gpu_bundle.sh, carry ["scratch-gpu"];
-#      first the GPU suite (CudaBackward.ListPieces now covers those), then
-#      `MODES="-;--forward-kl;--deterministic" PIECES="0 2048 4096" bash scripts/gpu_sinks.sh` (sinks 0 / 1 at
-#      fm16k, m3 32k and 64k, checked; ~4-5 min: narrow CONFIGS or MODES for a short call); if N(0, 1) loses
-#      nothing, make the best N the default (fused_backward.cu, backward_piece_tokens) and run the suite.
+# Next (as of the fifty-seventh session, whose three device calls got one H100):
+#   0. the list pieces (opt-in). Measured on that H100 (bench/results/h100_2879495_sinks.log): a cap of 8192
+#      gives fm16k's whole sink gain (backward 6.29 -> 3.67 ms) and leaves its N(0, 1) lists alone, the forward's
+#      KL value with a sink 15.3 -> 12.0 ms at m3/32k; but pieces that cut nothing cost m3/64k's fast backward
+#      0.4-0.6 ms (38.8 vs 38.2-38.4) and deterministic mode +6% at fm16k (int64 dkp). Since then (unrun):
+#      empty records instead of a per-group count. Build, carry ["scratch-gpu"], then on an H200:
+#      `CONFIGS="fm16k:--seqlen 16384 --heads 16 --kv-heads 2;m3_64k:--seqlen 65536" PIECES="0 8192"
+#      ROUNDS=2 bash scripts/gpu_sinks.sh` (fast; ~3 min) and CudaBackward.ListPieces. If m3/64k still loses
+#      with pieces that cut nothing, the overflow form in design.md (Known gaps, skewed selections) is next;
+#      else 8192 becomes the default for the fast forms and the KL value.
 #   (fifty-third session, which swept the backward's chunks on an H200: the H100's T / 16 loses there at
 #   64k, T / 8 gains from 16k to 32k, now the H200's default, measured with forced counts only:)
 #   1. ONLY_H200=1 END_S=560 bash scripts/gpu_next.sh rule (timeout_s 580).
 #      (fifty-fourth session: no H200 came; HEAD's suite, memcheck, racecheck and main job passed on H100s.)
 #      (fifty-fifth session: none again: six of eleven starts found no machine, five got H100s; one ran HEAD's benchmark.)
 #      (fifty-sixth session: ten starts found no machine of either kind; the eleventh got an H100, used for the pieces.)
+#      (fifty-seventh session: paused at first; then two starts found none, the third got an H100, used for the pieces.)
 #   2. the record's other stages on the H200 with HEAD's bundle (tests, sanitizer, python, main, scale).
 #   For an A/B of builds, use the ab mode
 #   above. A call that must run on an H200 checks the card first (a call for nvidia-h200 may get an H100):

@@ -413,11 +413,11 @@ struct FoldArgs {
   // token chunk's part, with chunks) is cut into pieces of at most FLASHMSA_BWD_PIECE tokens, laid
   // out per proxy group in the grid's order: grid x runs over (piece, group in the sweep), and the
   // CTA with p (as above) and piece index r = x / sweep_groups takes entries [y, z) of list (p, x)
-  // of pieces[p piece_stride + r] (r >= n_pieces[p]: nothing, it returns), adds its dk / dv into
-  // dk_acc / dv_acc and writes its KL share to kl_part[kl_slot0 + p piece_stride + r]. p stays a
-  // function of the CTA index, as before: held through the loop it would cost spills.
-  const int4* pieces = nullptr;       // [Hp, piece_stride] {key block g, begin, end, 0}
-  const int32_t* n_pieces = nullptr;  // [Hp]
+  // of its record pieces[p piece_stride + r] (y = z: a slot past the group's pieces, nothing; the
+  // record alone says so, no count to load first), adds its dk / dv into dk_acc / dv_acc and writes
+  // its KL share to kl_part[kl_slot0 + p piece_stride + r]. p stays a function of the CTA index, as
+  // before: held through the loop it would cost spills.
+  const int4* pieces = nullptr;  // [Hp, piece_stride] {key block g, begin, end, 0}
   int piece_stride = 0;
   int64_t kl_slot0 = 0;
 };

@@ -389,9 +389,9 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   };
   int4 piece = make_int4(0, 0, 0, 0);  // {g, begin, end}
   if (pieces) {
-    if (gx >= __ldg(fa.n_pieces + p)) return;  // CTA-uniform
     const int* at = piece_record();
     piece = make_int4(__ldg(at), __ldg(at + 1), __ldg(at + 2), 0);
+    if (piece.y >= piece.z) return;  // CTA-uniform: a slot past the group's pieces
   }
   const int chunk = kChunkable && fa.n_chunks > 0 && !pieces ? gx / ix.NB : 0;
   // g_grid: the grid's key block (a function of the CTA index, free to recompute after the loop).

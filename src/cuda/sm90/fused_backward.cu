@@ -388,17 +388,18 @@ __global__ void own_bounds_kernel(bwd::Index ix, int64_t n_lists, int32_t* __res
 // order (chunk, key block g), each part [b, e) (chunk_bounds, past own_end with the own-block pass;
 // the whole list without chunks) cut into ceil((e - b) / cap) near-equal pieces, empty parts into
 // none. One CTA per group: a running block-wide scan of the piece counts over its NB x max(nc, 1)
-// parts (a few thousand at m3/64k) places each part's pieces.
+// parts (a few thousand at m3/64k) places each part's pieces; the slots past the last piece get
+// empty records, so a CTA learns from its record alone whether it has work.
 __global__ void __launch_bounds__(1024) build_list_pieces_kernel(bwd::Index ix, int nc,
                                                                  const int32_t* __restrict__ chunk_bounds,  // [Hp, NB, nc + 1] or null
                                                                  const int32_t* __restrict__ own_end,  // [Hp, NB] or null
                                                                  int cap, int stride,
-                                                                 int4* __restrict__ pieces,      // [Hp, stride]
-                                                                 int32_t* __restrict__ n_pieces) {  // [Hp]
+                                                                 int4* __restrict__ pieces) {  // [Hp, stride]
   using Scan = cub::BlockScan<int, 1024>;
   __shared__ typename Scan::TempStorage scan;
   __shared__ int running;
   const int p = blockIdx.x, parts = ix.NB * max(nc, 1);
+  int4* group = pieces + static_cast<int64_t>(p) * stride;
   if (threadIdx.x == 0) running = 0;
   __syncthreads();
   for (int r0 = 0; r0 < parts; r0 += 1024) {
@@ -422,20 +423,20 @@ __global__ void __launch_bounds__(1024) build_list_pieces_kernel(bwd::Index ix, 
     Scan(scan).ExclusiveSum(count, first, total);
     first += running;
     for (int j = 0; j < count; ++j)
-      pieces[static_cast<int64_t>(p) * stride + first + j] =
+      group[first + j] =
           make_int4(g, list_piece_begin(b, len, count, j), list_piece_begin(b, len, count, j + 1), 0);
     __syncthreads();  // every thread has read `running` and the scan storage
     if (threadIdx.x == 0) running += total;
     __syncthreads();
   }
-  if (threadIdx.x == 0) n_pieces[p] = running;
+  for (int i = running + threadIdx.x; i < stride; i += 1024) group[i] = make_int4(0, 0, 0, 0);
 }
 
-// Where list pieces go in a workspace: the table, its per-group counts and the grid's pieces per
+// Where list pieces go in a workspace: the table (a record a slot) and the grid's slots per
 // group (piece_stride, a bound: max_list_pieces over NB x max(nc, 1) list parts of <= T K entries).
 struct ListPiecePlan {
   int tokens = 0, stride = 0;  // tokens = 0: no pieces
-  size_t o_pieces = 0, o_n_pieces = 0;
+  size_t o_pieces = 0;
 };
 ListPiecePlan plan_list_pieces(const MsaParams& p, int64_t nb, int nc, int tokens, Workspace& ws) {
   ListPiecePlan lp;
@@ -446,13 +447,12 @@ ListPiecePlan plan_list_pieces(const MsaParams& p, int64_t nb, int nc, int token
   lp.tokens = tokens;
   lp.stride = static_cast<int>(stride);
   lp.o_pieces = ws.add(p.Hp * stride * sizeof(int4));
-  lp.o_n_pieces = ws.add(p.Hp * sizeof(int32_t));
   return lp;
 }
 void launch_build_list_pieces(const MsaParams& p, const bwd::Index& ix, int nc, const int32_t* chunk_bounds,
                               const int32_t* own_end, const ListPiecePlan& lp, Workspace& ws, cudaStream_t stream) {
   build_list_pieces_kernel<<<p.Hp, 1024, 0, stream>>>(ix, nc, chunk_bounds, own_end, lp.tokens, lp.stride,
-                                                      ws.at<int4>(lp.o_pieces), ws.at<int32_t>(lp.o_n_pieces));
+                                                      ws.at<int4>(lp.o_pieces));
   FLASHMSA_CHECK_LAUNCH();
 }
 
@@ -586,7 +586,7 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
                  void* dk_acc, void* dv_acc, void* dkp_acc, const float* fx, const float* row_fx,
                  float* kl_part, bool main_owned, bool kl_owned, int nseg, bool fold, int token_rows,
                  int n_chunks, const int32_t* chunk_bounds, bool dkp_per_head, const int32_t* own_end,
-                 const int4* pieces, const int32_t* n_pieces, int piece_stride, int64_t kl_slot0) {
+                 const int4* pieces, int piece_stride, int64_t kl_slot0) {
   if (dkp_per_head && !fold)
     throw Error("flashmsa: fused_backward: internal error: per-head dkp partials planned without the folded kernel");
   const auto* q = static_cast<const bf16*>(p.q);
@@ -667,7 +667,6 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
           }
           if (pieces) {
             fw.pieces = pieces;
-            fw.n_pieces = n_pieces;
             fw.piece_stride = piece_stride;
             fw.kl_slot0 = kl_slot0;
             go(piece_stride);
@@ -786,7 +785,6 @@ void launch_kl_value(const MsaParams& p, cudaStream_t stream) {
     launch_build_list_pieces(p, ix, 0, nullptr, nullptr, kp.pieces, ws, stream);
     FLASHMSA_CUDA_CHECK(cudaMemsetAsync(fa.kl_part, 0, kp.n_kl_part * sizeof(float), stream));  // unused slots
     fa.pieces = ws.at<int4>(kp.pieces.o_pieces);
-    fa.n_pieces = ws.at<int32_t>(kp.pieces.o_n_pieces);
     fa.piece_stride = kp.pieces.stride;
     grid = static_cast<unsigned>(kp.pieces.stride) * p.Hp;
   }
@@ -1084,7 +1082,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
                    dkp_acc, fx, row_fx, ws.at<float>(o_kl_part), main_owned, kl_owned, nseg, fold, token_rows,
                    n_chunks, n_chunks > 0 ? ws.at<int32_t>(o_chunk_bounds) : nullptr, dkp_per_head,
                    own_split ? ws.at<int32_t>(o_own_end) : nullptr, use_pieces ? ws.at<int4>(pieces.o_pieces) : nullptr,
-                   use_pieces ? ws.at<int32_t>(pieces.o_n_pieces) : nullptr, pieces.stride, kl_slot0);
+                   pieces.stride, kl_slot0);
   };
   if (p.D == 64) run(std::integral_constant<int, 64>{});
   else run(std::integral_constant<int, 128>{});
