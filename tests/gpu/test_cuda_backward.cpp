@@ -385,9 +385,9 @@ TEST(CudaBackward, DeterministicDqMatchesFastDq) {
   check_deterministic_dq(shape(20, 4, 4, 2, 64, 5, {0, 640, 129}), 23);
 }
 
-// FLASHMSA_DET_DQ=kv is an error where the token-row DET form (int32 dq) does not run: groups of
-// 32 heads, and groups of 16 with FLASHMSA_BWD_ROWS=0; and FLASHMSA_BWD_ROWS=1 with
-// FLASHMSA_DET_DQ=query. (A TEST body cannot name Setup: gtest's Test::Setup hides it.)
+// FLASHMSA_DET_DQ=kv is an error where the wgmma kernel's int32 dq does not run: D = 64, and one
+// head per proxy head (m = 1); and FLASHMSA_BWD_ROWS=1 with FLASHMSA_DET_DQ=query. (A TEST body
+// cannot name Setup: gtest's Test::Setup hides it.)
 void expect_det_dq_env_error(const Shape& s, const char* det_dq, const char* rows) {
   Setup st;
   make_setup(st, s, 24, true, 1.f);
@@ -401,8 +401,8 @@ void expect_det_dq_env_error(const Shape& s, const char* det_dq, const char* row
 
 TEST(CudaBackward, DeterministicDqEnvErrors) {
   GPUTEST_REQUIRE_DEVICE();
-  expect_det_dq_env_error(shape(32, 1, 1, 1, 128, 8, {300}), "kv", nullptr);
-  expect_det_dq_env_error(shape(16, 1, 1, 1, 128, 8, {300}), "kv", "0");
+  expect_det_dq_env_error(shape(8, 2, 2, 1, 64, 8, {300}), "kv", nullptr);
+  expect_det_dq_env_error(shape(4, 4, 4, 1, 128, 8, {300}), "kv", nullptr);
   expect_det_dq_env_error(shape(16, 1, 1, 1, 128, 8, {300}), "query", "1");
 }
 
@@ -433,6 +433,19 @@ void check_deterministic_wgmma(const Shape& s, uint64_t seed, float kl_grad) {
   const double kl_rel = std::fabs(det.kl - fast.kl) / std::max(1e-30, std::fabs(static_cast<double>(fast.kl)));
   EXPECT_LT(kl_rel, 1e-3) << "kl det " << det.kl << " fast " << fast.kl;
   expect_bitwise_reruns(d, st, det, 5, "det wgmma");
+}
+
+// The per-head DET form with the int32 dq (DQ_ROWS: FLASHMSA_DET_DQ=kv outside the token rows,
+// opt-in), on groups of 32 and of 4 heads (G = 1), on groups of 16 with FLASHMSA_BWD_ROWS=0, and on
+// fm16k's two groups per kv head (SHARED_KV).
+TEST(CudaBackward, DeterministicDqRowsPerHead) {
+  GPUTEST_REQUIRE_DEVICE();
+  gputest::ScopedEnv dq("FLASHMSA_DET_DQ", "kv");  // an error unless the int32 dq runs
+  check_deterministic_wgmma(shape(32, 1, 1, 1, 128, 16, {1500, 3, 700}), 71, 0.8f);
+  check_deterministic_wgmma(shape(16, 4, 4, 1, 128, 8, {1700, 90}), 72, 1.f);
+  check_deterministic_wgmma(shape(16, 2, 4, 1, 128, 16, {1500, 0, 260}), 73, 0.6f);
+  gputest::ScopedEnv rows("FLASHMSA_BWD_ROWS", "0");
+  check_deterministic_wgmma(shape(32, 2, 2, 1, 128, 16, {2200, 333}), 74, 0.6f);
 }
 
 TEST(CudaBackward, DeterministicWgmmaGroupOf16K16) {

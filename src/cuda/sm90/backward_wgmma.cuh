@@ -305,6 +305,8 @@ __device__ __forceinline__ void ss_tokens_by_keys(float (&acc)[32], uint32_t ds_
 // fx[3]), dkp as fp32 partials (fa.dkp_per_head) or int64 (fx[4]). Its head step retires dV / dK,
 // releases the stage and issues the next step's S^T at the same single call site as the full
 // kernel, with nothing to wait for behind it.
+// DQ_ROWS (DET, RM = 0 only; FLASHMSA_DET_DQ=kv on per-head shapes): the per-head DET form computes
+// dQ and dqp as the token-row DET form below does, in the per-head tiles' staging.
 // DET with token rows (RM > 0) computes dQ and dqp as the fast form does, times int32 fixed-point
 // factors (dQ: each row's own, fa.row_fx, loaded with the stage; dqp: fx[6]), and stages them as
 // int32 in the fast form's layout (each token's RM dQ rows one bulk reduce-add, .add.s32, dqp per
@@ -313,7 +315,7 @@ __device__ __forceinline__ void ss_tokens_by_keys(float (&acc)[32], uint32_t ds_
 // into dk_acc / dv_acc instead of storing them. A template flag, not a runtime branch: the G = 1
 // instantiations run at the 240-register limit and must compile exactly as before. KL_ONLY needs
 // no flag (it writes no dk/dv; only the kv head it loads K from depends on G).
-template <bool KL_ONLY, bool DET = false, bool SHARED_KV = false, int RM = 0>
+template <bool KL_ONLY, bool DET = false, bool SHARED_KV = false, int RM = 0, bool DQ_ROWS = false>
 __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     const bf16* __restrict__ q,    // [T, H, 128]
     const bf16* __restrict__ k,    // [T, Hkv, 128]
@@ -322,10 +324,10 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     const float* __restrict__ lse, // [H, T]
     const float* __restrict__ di,  // [T, H] rowsum(dO * O)
     Index ix, int H, int Hkv, int Hp, float scale,
-    float* __restrict__ dq_acc,    // [T, H, 128] fp32; DET: int32 (same layout) with RM > 0, else unused
+    float* __restrict__ dq_acc,    // [T, H, 128] fp32; DET: int32 (same layout) with RM > 0 or DQ_ROWS, else unused
     bf16* __restrict__ dk,         // [T, Hkv, 128] (owned: the CTA is its rows' only writer; else dk_acc)
     bf16* __restrict__ dv,         // [T, Hkv, 128]
-    FoldArgs fa,                   // with DET, dqp_acc is int64 (RM > 0: int32), dkp_acc int64 or fp32 partials
+    FoldArgs fa,                   // with DET, dqp_acc is int64 (RM > 0, DQ_ROWS: int32), dkp_acc int64 or fp32 partials
     const float* __restrict__ fx,  // [7] fixed-point factors (fixed_point_kernel), read only with DET
     void* __restrict__ dk_acc,     // [T, Hkv, 128] fp32 (int64 with DET): SHARED_KV, token chunks, list pieces
     void* __restrict__ dv_acc,     // [T, Hkv, 128] fp32 (int64 with DET): as dk_acc
@@ -336,6 +338,11 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   static_assert(!(KL_ONLY && SHARED_KV), "the KL value writes no dk/dv: one KL_ONLY form serves every G");
   static_assert(RM == 0 || (!KL_ONLY && !SHARED_KV && (RM == 8 || RM == 16)),
                 "token rows: the G = 1 forms (fast, DET), groups of 8 or 16 heads (H / Hp == RM)");
+  static_assert(!DQ_ROWS || (DET && RM == 0), "DQ_ROWS: the per-head DET form with the int32 dQ");
+  // The DET forms that compute dQ here (int32 fixed point, staged as the fast form's rows): token
+  // rows, and the per-head form with DQ_ROWS. The per-head DET form without it leaves dQ to the
+  // query-major dq_kernel and sends dqp out as int64 atomics.
+  constexpr bool kDetNoDq = DET && RM == 0 && !DQ_ROWS;
   using L = WgLayout<KL_ONLY>;
   constexpr int D = L::kD;
   extern __shared__ __align__(16) unsigned char wb_smem_raw[];
@@ -353,7 +360,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   unsigned char* sdS = smem + L::odS;   // [128 keys][64 tok] dS^T (or dS_p^T)
   float4* sTch = reinterpret_cast<float4*>(smem + L::oTch);     // [8][256] float4 teacher sums
   TokMeta* meta = reinterpret_cast<TokMeta*>(smem + L::oMeta);  // kStages; lse = student lse at proxy steps
-  float* row_fx_s = reinterpret_cast<float*>(smem + L::oRowFx);  // DET with RM > 0: [kStages][64]
+  float* row_fx_s = reinterpret_cast<float*>(smem + L::oRowFx);  // DET with RM > 0 or DQ_ROWS: [kStages][64]
   float* sRed = reinterpret_cast<float*>(smem + L::oRed);       // [8]
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::oBar);  // [kStages]
   uint64_t* empty = full + L::kStages;                           // [kStages]
@@ -555,7 +562,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
         }
         if (sub == 0) cp_async_4(smem_u32(&tm.lse[row]), lse + static_cast<int64_t>(h) * ix.T + tt, ok);
         else if constexpr (!KL_ONLY) cp_async_4(smem_u32(&tm.aux[row]), di + tt * H + h, ok);
-        if constexpr (DET && RM > 0) {
+        if constexpr (DET && !kDetNoDq) {
           if (sub == 1) cp_async_4(smem_u32(row_fx_s + st * kTileTok + row), fa.row_fx + tt * H + h, ok);
         }
       } else {
@@ -818,7 +825,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
         wgmma_rs_bf16<128, 1>(dK, da[kk], wgmma_desc_sw128_mn(q_st + kk * 2 * L::kTokGroup, L::kTokSlabOff, L::kTokGroup), 1);
       wgmma_commit();
 
-      if constexpr (!DET || RM > 0) {
+      if constexpr (!kDetNoDq) {
         // dS^T into the shared tile for dQ, which needs all 128 keys (both WGs' halves). DsFree:
         // each WG waited for its previous dQ / dqp product before staging its rows.
         bar_sync(kBarDsFree, L::kConsumers);
@@ -934,14 +941,14 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       store_ds_frags(sdS, da, kr, c4);
       fence_proxy_async_shared();
       bar_sync(kBarDsReady, L::kConsumers);
-      if constexpr (DET && RM == 0) {  // token rows stage dqp instead
+      if constexpr (kDetNoDq) {  // the other forms stage dqp instead
         t_lo = tm.tok[trow];
         t_hi = tm.tok[trow + 8];
       }
     }
     // The stage (Q / Qp, dO, metadata) is no longer read: dQ / dqp read the dS tile and K / Kp.
     // The fast full kernel releases it later: its dQ / dqp rows are staged in it.
-    if constexpr (DET && RM == 0) ::cuda::ptx::mbarrier_arrive(empty + st);
+    if constexpr (kDetNoDq) ::cuda::ptx::mbarrier_arrive(empty + st);
 
     // dQ[:, 64cw..] = dS K (head step) or dqp[:, 64cw..] = dS_p Kp (proxy step), then the next
     // step's first product, then the atomics under it.
@@ -951,7 +958,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     // S^T per tile loses its overlap. With token rows, dQ and dqp leave as int32 fixed point
     // through the fast form's staging instead.
     float dq[32];
-    if (!DET || RM > 0 || !head) {
+    if (!kDetNoDq || !head) {
       wgmma_fence();
       ss_tokens_by_keys(dq, ds_base, head ? k_base : kp_base, cw);
       wgmma_commit();
@@ -966,7 +973,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
         wb_fx_tile(fa.dqp_acc, at_lo + 8 * j, at_hi + 8 * j, t_lo >= 0, t_hi >= 0, dq[4 * j] * fa.scale_p,
                    dq[4 * j + 1] * fa.scale_p, dq[4 * j + 2] * fa.scale_p, dq[4 * j + 3] * fa.scale_p, fx_qp);
     };
-    if constexpr (DET && RM == 0) {
+    if constexpr (kDetNoDq) {
       if (!head) {
         wgmma_wait<0>();  // dqp done
         wgmma_fence_operands(dq);
@@ -975,7 +982,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     }
     wait_full(s + 1);
     issue_as(s1, s + 1, hi == m || hi + 1 < m);  // step s + 1's S^T: head unless hi + 1 == m
-    if constexpr (DET && RM == 0) continue;  // S^T of step s+1 stays in flight into the next step
+    if constexpr (kDetNoDq) continue;  // S^T of step s+1 stays in flight into the next step
     wgmma_wait<1>();  // dQ / dqp done
     wgmma_fence_operands(dq);
     // dQ / dqp leave through the stage they were computed from: each WG's 64 x 64 fp32 block is
@@ -1059,7 +1066,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   }
   wgmma_wait<0>();  // the dropped product after the last step: no wgmma outlives the loop
   wgmma_fence_operands(s1);
-  if constexpr (!KL_ONLY && (!DET || RM > 0)) bulk_wait_group<0>();  // every dQ reduce-add has landed
+  if constexpr (!KL_ONLY && !kDetNoDq) bulk_wait_group<0>();  // every dQ reduce-add has landed
 
   // dK (times scale), dV of this thread's rows of kv head kv_head added into dk_acc / dv_acc (fp32;
   // int64 fixed point with DET): SHARED_KV's group share and the token chunks' partial sums. Rows

@@ -630,8 +630,9 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
     // stages dq and dqp as int32 fixed point (laid out as the fast form's fp32); with a dq
     // accumulator otherwise (K > 32) the mma.sync kernel keeps dq.
     if constexpr (D == 128) {
-      // det: no dq here (query-major), or the token-row DET form's int32 dq.
-      const bool fast = fx == nullptr && dq_acc != nullptr, det = fx != nullptr && (dq_acc == nullptr || token_rows > 0);
+      // det: no dq here (query-major), or the int32 dq (token rows; per-head tiles with row_fx: DQ_ROWS).
+      const bool fast = fx == nullptr && dq_acc != nullptr,
+                 det = fx != nullptr && (dq_acc == nullptr || token_rows > 0 || row_fx != nullptr);
       if (wgmma_kv_applies(p) && (fast || det)) {
         const bool shared_kv = p.Hp > p.Hkv;  // G > 1: dk_acc / dv_acc exist (!main_owned)
         // Token rows: each head step's Q and dO rows come as one TMA box per token.
@@ -675,11 +676,13 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
           }
         };
         if (shared_kv) {
-          if (det) launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, true, true>);
+          if (det && row_fx) launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, true, true, 0, true>);
+          else if (det) launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, true, true>);
           else launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, false, true>);
         } else {
           if (det && token_rows == 16) launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, true, false, 16>);
           else if (det && token_rows == 8) launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, true, false, 8>);
+          else if (det && row_fx) launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, true, false, 0, true>);
           else if (det) launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, true>);
           else if (token_rows == 16) launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, false, false, 16>);
           else if (token_rows == 8) launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, false, false, 8>);
@@ -845,18 +848,23 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // too little resolution), dqp likewise with its per-tensor factor fx[6], in accumulators of the
   // fast form's size (2 x size(q)); else (FLASHMSA_DET_DQ=query, other shapes) the query-major
   // dq_kernel (reads a token's selection one entry per lane: K <= 32). The dense warm-up's
-  // all-blocks index (K > 32) keeps dq on the int64 fixed-point atomics.
-  const bool dq_kv_int32 = det && rows_shape && K <= 32 && !det_dq_env("query");
+  // all-blocks index (K > 32) keeps dq on the int64 fixed-point atomics. The other wgmma shapes
+  // (per-head tiles: groups of 4 heads, fm16k's two groups per kv head) take the same int32 dq
+  // with FLASHMSA_DET_DQ=kv (DQ_ROWS: the per-head DET form computing dQ as the fast one does);
+  // opt-in until measured against their query-major dq (fm16k: the deterministic backward
+  // 11.44 ms against 3.39 fast on the H200, most of it that dq kernel).
+  const bool wgmma_shape = fold && p.D == 128 && wgmma_kv_applies(p);
+  const bool dq_kv_int32 =
+      det && K <= 32 && wgmma_shape && (rows_shape ? !det_dq_env("query") : det_dq_env("kv"));
   if (det_dq_env("kv") && det && !dq_kv_int32)
-    throw Error("flashmsa: fused_backward: FLASHMSA_DET_DQ=kv, but the token-row DET form does not take this "
-                "problem (argument 'q': groups of 8 or 16 heads, one per kv head, D = 128, top_k <= 32; not with "
-                "FLASHMSA_BWD_ROWS=0)");
+    throw Error("flashmsa: fused_backward: FLASHMSA_DET_DQ=kv, but the wgmma backward's int32 dq does not take "
+                "this problem (argument 'q': D = Dv = Dp = 128, whole proxy groups of >= 2 heads per kv head, "
+                "top_k <= 32)");
   const bool dq_query_major = det && K <= 32 && !dq_kv_int32;
   // FLASHMSA_BACKWARD_PATH=wgmma: an error (before anything is allocated or written) unless the
   // wgmma kernel takes this problem -- how tests prove which kernel ran, since on small grids
   // both kernels can give the same bits.
-  const bool takes_wgmma =
-      fold && p.D == 128 && wgmma_kv_applies(p) && (!det || dq_query_major || dq_kv_int32);
+  const bool takes_wgmma = wgmma_shape && (!det || dq_query_major || dq_kv_int32);
   // The wgmma kernel's dk/dv form follows G = Hp/Hkv; the plan's ownership must agree with it.
   if (takes_wgmma && (p.Hp > p.Hkv) == main_owned)
     throw Error("flashmsa: fused_backward: internal error: wgmma dk/dv ownership does not match the plan");
