@@ -35,8 +35,8 @@
 // teacher sum and the KL terms of the above, K, Kp and Q / Qp loaded, no atomics at all.
 // DET (deterministic mode with top_k <= 32), per-head tiles: no dQ at all (the query-major
 // dq_kernel computes it without atomics), so a head step neither writes the dS tile nor joins its
-// two barriers; with token rows: dQ and dqp staged as int32 fixed point (see below the kernel's
-// template comment). dqp (per-head form) goes out as int64 fixed-point atomics (integer adds
+// two barriers; with token rows, or per-head with DQ_ROWS: dQ and dqp staged as int32 fixed point
+// (see below the kernel's template comment). dqp (per-head form) goes out as int64 fixed-point atomics (integer adds
 // commute: the sums do not depend on the atomics' order), dkp as fp32 partials with one writer per
 // row (FoldArgs::dkp_per_head; int64 fixed point with token chunks or list pieces). dK, dV (owned)
 // and the KL shares have a fixed order already; SHARED_KV's dK, dV (and every form's with chunks or
@@ -100,7 +100,7 @@ struct WgLayout {
   static constexpr int kStgInSlot = kTokTile / kStgPitch;  // 60
   static constexpr int kStgSpare = (kTileTok - kStgInSlot) * kStgPitch;
   static constexpr int oStgSpare = (oBar + (2 * kStages + 1) * 8 + 15) / 16 * 16;  // [2][4][272]
-  // The token-row DET form's per-row int32 dq factors of each stage's rows ([kStages][64] fp32),
+  // The int32 dq DET forms' per-row factors of each stage's rows ([kStages][64] fp32),
   // loaded with the stage (read by the full kernel's DET form only; last, so that the other
   // regions keep their offsets).
   static constexpr int oRowFx = oStgSpare + (KL_ONLY ? 0 : 2 * kStgSpare);
@@ -300,8 +300,8 @@ __device__ __forceinline__ void ss_tokens_by_keys(float (&acc)[32], uint32_t ds_
 // two consumer warpgroups. The full kernel's loop is not entered (`!KL_ONLY &&` in its
 // condition) and compiles to the same PTX as before the KL_ONLY loop existed (helpers factored
 // out of that loop did not: inlining renumbered its registers).
-// DET = true (deterministic mode, top_k <= 32), per-head tiles (RM = 0): the full backward without
-// dQ (dq_acc is not read; the query-major dq_kernel writes dq), dqp as int64 fixed point (factor
+// DET = true (deterministic mode, top_k <= 32), per-head tiles (RM = 0, without DQ_ROWS): the full
+// backward without dQ (dq_acc is not read; the query-major dq_kernel writes dq), dqp as int64 fixed point (factor
 // fx[3]), dkp as fp32 partials (fa.dkp_per_head) or int64 (fx[4]). Its head step retires dV / dK,
 // releases the stage and issues the next step's S^T at the same single call site as the full
 // kernel, with nothing to wait for behind it.

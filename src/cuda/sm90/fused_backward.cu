@@ -12,8 +12,8 @@
 //      group lies inside one kv head, one attn_bwd_kernel (FOLD = true) does both (see the kernels);
 //      when D = 128 (and groups of m >= 2 heads), the wgmma version of that folded kernel does
 //      (backward_wgmma.cuh; FLASHMSA_BACKWARD_PATH=mma forces the old one), in deterministic mode
-//      only with top_k <= 32 (its DET form: with token rows and FLASHMSA_DET_DQ=kv it computes dq
-//      as int32 fixed point, else beside the query-major dq); with G > 1 groups per kv head its
+//      only with top_k <= 32 (its DET form: with token rows, or FLASHMSA_DET_DQ=kv on the per-head
+//      shapes, it computes dq as int32 fixed point, else beside the query-major dq); with G > 1 groups per kv head its
 //      SHARED_KV form adds dk/dv into the same accumulators as the mma kernel;
 //   5. accumulators -> bf16, the KL sum -> kl.
 // launch_kl_value (the forward's KL value, kl_value.cuh) runs steps 2, 3 (student lse only) and
@@ -23,8 +23,8 @@
 // top_k <= 32 it computes dq instead with the query-major, atomic-free dq_kernel
 // (backward_dq.cu) and attn_bwd_kernel (or the wgmma kernel's per-head DET form) skips dq: dq's
 // int64 accumulator, 4x the size of q and the largest one, is not allocated; on the token-row
-// shapes (groups of 8 / 16 heads, one per kv head) the wgmma DET form computes dq KV-major instead,
-// as int32 fixed point (at most top_k <= 32 adds per element: 30 bits under the bound leave room
+// shapes (groups of 8 / 16 heads, one per kv head; the other wgmma shapes with FLASHMSA_DET_DQ=kv)
+// the wgmma DET form computes dq KV-major instead, as int32 fixed point (at most top_k <= 32 adds per element: 30 bits under the bound leave room
 // for their roundings) through the fast form's bulk reduce-adds, in an accumulator of its size;
 // dqp likewise.
 #include <cuda_bf16.h>
@@ -497,8 +497,9 @@ bool backward_path_forces_mma() { return env_is("FLASHMSA_BACKWARD_PATH", "mma")
 // =1 makes it an error when the token-row tiles do not take a problem (tests). Read per call.
 bool backward_rows_env(const char* value) { return env_is("FLASHMSA_BWD_ROWS", value); }
 // FLASHMSA_DET_DQ=query: deterministic mode's dq from the query-major kernel (beside the per-head
-// DET form) where the token-row DET form would compute dq and dqp as int32 fixed point; =kv makes
-// it an error when that form does not take the problem (tests). Read per call.
+// DET form) where the token-row DET form would compute dq and dqp as int32 fixed point; =kv takes
+// that int32 dq on the per-head wgmma shapes too (DQ_ROWS, opt-in) and makes it an error where the
+// wgmma backward does not take the problem (tests). Read per call.
 bool det_dq_env(const char* value) { return env_is("FLASHMSA_DET_DQ", value); }
 
 // kl_coeff / (Hp*T): the KL value's factor on its sum of terms, and dS_proxy's before g.
@@ -691,11 +692,12 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
         return;
       }
     }
-    // The token-row accumulators (permuted fp32, or int32 with DET) exist for the wgmma kernel only;
-    // wgmma_kv_applies reads FLASHMSA_BACKWARD_PATH again above, so the plan is checked, not assumed.
-    if (token_rows > 0 || dkp_per_head || own_end || pieces)
-      throw Error("flashmsa: fused_backward: internal error: token-row or per-head dkp accumulators, the own-block "
-                  "pass or list pieces planned for the wgmma kernel, which did not run");
+    // The token-row accumulators (permuted fp32, or int32 with DET) and the per-head int32 dq (row_fx)
+    // exist for the wgmma kernel only; wgmma_kv_applies reads FLASHMSA_BACKWARD_PATH again above, so
+    // the plan is checked, not assumed.
+    if (token_rows > 0 || row_fx || dkp_per_head || own_end || pieces)
+      throw Error("flashmsa: fused_backward: internal error: token-row, int32 dq or per-head dkp accumulators, the "
+                  "own-block pass or list pieces planned for the wgmma kernel, which did not run");
     constexpr int smem = bwd::attn_smem_bytes<D>() + bwd::fold_smem_bytes<D>();
     static_assert(smem <= 227 * 1024, "the folded backward must fit in one SM's shared memory");
     if (dq_acc) launch_attn(bwd::attn_bwd_kernel<D, true, true>, smem, fa);
