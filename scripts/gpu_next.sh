@@ -30,6 +30,12 @@
 #      ROUNDS=2 bash scripts/gpu_sinks.sh` (fast; ~3 min) and CudaBackward.ListPieces. If m3/64k still loses
 #      with pieces that cut nothing, the overflow form in design.md (Known gaps, skewed selections) is next;
 #      else 8192 becomes the default for the fast forms and the KL value.
+#   0b. deterministic dq KV-major on the per-head shapes (FLASHMSA_DET_DQ=kv, the DQ_ROWS form; opt-in, not
+#      run): the suite's CudaBackward.DeterministicDqRowsPerHead and DeterministicDqEnvErrors first, then
+#      VARIANTS="q=scratch-gpu/flashmsa_run;kv=scratch-gpu/flashmsa_run,FLASHMSA_DET_DQ=kv"
+#      CONFIGS="fm16k_det:--seqlen 16384 --heads 16 --kv-heads 2 --deterministic" bash scripts/gpu_ab.sh
+#      (predicted: deterministic backward ~11.4 -> ~4 ms on the H200); if it holds, make it the default
+#      there (fused_backward.cu, dq_kv_int32) and add --bitwise-reruns runs of fm16k to the scale stage.
 #   (fifty-third session, which swept the backward's chunks on an H200: the H100's T / 16 loses there at
 #   64k, T / 8 gains from 16k to 32k, now the H200's default, measured with forced counts only:)
 #   1. ONLY_H200=1 END_S=560 bash scripts/gpu_next.sh rule (timeout_s 580).
