@@ -22,9 +22,9 @@ FLASHMSA_HOST_DEVICE inline int list_piece_begin(int begin, int len, int count, 
   return begin + static_cast<int>(static_cast<int64_t>(len) * j / count);
 }
 
-// The most pieces a proxy group's `parts` list parts holding `entries` entries in all can make: the sum of
-// ceil(len / cap) is at most the sum of floor(len / cap) plus one per part, and the floors sum to at most
-// floor(entries / cap). The piece grid's extent per group.
-inline int64_t max_list_pieces(int64_t parts, int64_t entries, int cap) { return parts + entries / cap; }
+// The most pieces past each part's first that a proxy group's list parts, holding `entries` entries in
+// all, can make: a part's ceil(len / cap) - 1 is at most floor(len / cap), and those floors sum to at most
+// floor(entries / cap). The overflow grid's extent per group (each part's first piece is its own CTA's).
+inline int64_t max_overflow_pieces(int64_t entries, int cap) { return entries / cap; }
 
 }  // namespace flashmsa

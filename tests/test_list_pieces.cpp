@@ -14,7 +14,7 @@ namespace {
 
 using flashmsa::list_piece_begin;
 using flashmsa::list_piece_count;
-using flashmsa::max_list_pieces;
+using flashmsa::max_overflow_pieces;
 
 TEST(ListPieces, CoverEachEntryOnceWithinTheCap) {
   for (const int cap : {1, 2, 50, 64, 300, 2048}) {
@@ -42,24 +42,25 @@ TEST(ListPieces, EmptyPartsMakeNone) {
   EXPECT_EQ(list_piece_count(-3, 2048), 0);
 }
 
-// Random lists, a sink's (every token) among them: the pieces never exceed the bound the grid is sized by.
-TEST(ListPieces, GridBoundHoldsTheGroupsPieces) {
+// Random lists, a sink's (every token) among them: the pieces past each part's first never exceed the
+// bound the overflow grid is sized by.
+TEST(ListPieces, OverflowBoundHoldsTheGroupsPieces) {
   std::mt19937 rng(7);
   for (int trial = 0; trial < 200; ++trial) {
     const int parts = 1 + static_cast<int>(rng() % 600), cap = 1 + static_cast<int>(rng() % 3000);
     std::vector<int> len(parts);
-    int64_t entries = 0, pieces = 0;
+    int64_t entries = 0, overflow = 0;
     for (int& l : len) {
       l = rng() % 4 == 0 ? 0 : static_cast<int>(rng() % 9000);
       if (rng() % 50 == 0) l = 65536;
       entries += l;
-      pieces += list_piece_count(l, cap);
+      overflow += std::max(list_piece_count(l, cap) - 1, 0);
     }
-    EXPECT_LE(pieces, max_list_pieces(parts, entries, cap)) << "trial " << trial;
+    EXPECT_LE(overflow, max_overflow_pieces(entries, cap)) << "trial " << trial;
   }
-  // The bound is tight where every part is one entry over a multiple of the cap.
-  EXPECT_EQ(max_list_pieces(3, 3 * 101, 100), 6);
-  EXPECT_EQ(list_piece_count(101, 100) * 3, 6);
+  // The bound is tight for one part one entry over a multiple of the cap.
+  EXPECT_EQ(max_overflow_pieces(601, 100), 6);
+  EXPECT_EQ(list_piece_count(601, 100) - 1, 6);
 }
 
 }  // namespace

@@ -408,16 +408,19 @@ struct FoldArgs {
   bool dkp_per_head = false;
   // List pieces (fused_backward.cu, build_list_pieces_kernel): the wgmma kernel's main launch, fast
   // and deterministic (not the own-block pass), and its KL_ONLY form (launch_kl_value: no chunks,
-  // kl_slot0 = 0). A list holds every token that selected its block: an attention sink's
-  // holds every token of the sequence, and in one CTA it outlasted the launch. So each list (its
-  // token chunk's part, with chunks) is cut into pieces of at most FLASHMSA_BWD_PIECE tokens, laid
-  // out per proxy group in the grid's order: grid x runs over (piece, group in the sweep), and the
-  // CTA with p (as above) and piece index r = x / sweep_groups takes entries [y, z) of list (p, x)
-  // of its record pieces[p piece_stride + r] (y = z: a slot past the group's pieces, nothing; the
-  // record alone says so, no count to load first), adds its dk / dv into dk_acc / dv_acc and writes
-  // its KL share to kl_part[kl_slot0 + p piece_stride + r]. p stays a function of the CTA index, as
-  // before: held through the loop it would cost spills.
+  // kl_slot0 = nkeys). A list holds every token that selected its block: an attention sink's holds
+  // every token of the sequence, and in one CTA it outlasted the launch. So each list part (its
+  // token chunk's, with chunks) is cut into near-equal pieces of at most piece_cap tokens: the
+  // part's own (chunk, block) CTA keeps the first, and the others (the overflow pieces) go to
+  // piece_stride CTAs per group placed FIRST in the group's grid range (the longest lists' pieces
+  // start early; with no part over the cap they only read an empty record). Grid x runs over
+  // (slot, group in the sweep): slot r < piece_stride takes record pieces[p piece_stride + r]
+  // (begin = end: nothing, it returns) and writes its KL share to kl_part[kl_slot0 + p piece_stride
+  // + r]; slot r >= piece_stride is the usual CTA of (chunk, block) r - piece_stride. Every CTA then
+  // adds its dk / dv into dk_acc / dv_acc. p stays a function of the CTA index, as before: held
+  // through the loop it would cost spills.
   const int4* pieces = nullptr;  // [Hp, piece_stride] {key block g, begin, end, 0}
+  int piece_cap = 0;
   int piece_stride = 0;
   int64_t kl_slot0 = 0;
 };

@@ -53,6 +53,7 @@
 
 #include "common/tma.cuh"
 #include "common/wgmma.cuh"
+#include "list_pieces.h"
 #include "sm90/backward_kernels.cuh"
 
 namespace flashmsa::cuda::bwd {
@@ -382,27 +383,35 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   constexpr bool kChunkable = kSweep && RM > 0;
   const int S = kSweep ? fa.sweep_groups : Hp;
   const int gx = blockIdx.x / S, p = (kSweep ? static_cast<int>(blockIdx.y) * S : 0) + blockIdx.x % S;
-  // List pieces (FoldArgs::pieces), every form. The CTA's piece record is addressed from %ctaid
-  // through an opaque move each time: the producer loads its range again after its register drop
-  // rather than carry it from here (on 24 registers, carried, it spilled in four forms).
+  // List pieces (FoldArgs::pieces, a cap of fa.piece_cap tokens), every form: the first
+  // fa.piece_stride CTAs of each group's grid range take the overflow table's pieces (the parts'
+  // second and later pieces); the others are the usual (chunk, block) CTAs, each keeping its part's
+  // first piece. The overflow record is addressed from %ctaid through an opaque move each time: the
+  // producer loads its range again after its register drop rather than carry it from here (on 24
+  // registers, carried, it spilled in four forms).
   const bool pieces = fa.pieces != nullptr;
-  auto piece_record = [&]() {
+  auto overflow_record = [&]() -> const int* {  // null: a main CTA
     unsigned cx, cy;
     asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(cx));
     asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(cy));
     const int s_ = kSweep ? fa.sweep_groups : Hp;
     const int p_ = (kSweep ? static_cast<int>(cy) * s_ : 0) + static_cast<int>(cx % s_);
-    return reinterpret_cast<const int*>(fa.pieces + static_cast<int64_t>(p_) * fa.piece_stride + cx / s_);
+    const int r_ = static_cast<int>(cx / s_);
+    return r_ < fa.piece_stride
+               ? reinterpret_cast<const int*>(fa.pieces + static_cast<int64_t>(p_) * fa.piece_stride + r_)
+               : nullptr;
   };
+  const bool over = pieces && gx < fa.piece_stride;
   int4 piece = make_int4(0, 0, 0, 0);  // {g, begin, end}
-  if (pieces) {
-    const int* at = piece_record();
+  if (over) {
+    const int* at = overflow_record();
     piece = make_int4(__ldg(at), __ldg(at + 1), __ldg(at + 2), 0);
-    if (piece.y >= piece.z) return;  // CTA-uniform: a slot past the group's pieces
+    if (piece.y >= piece.z) return;  // CTA-uniform: a slot past the group's overflow pieces
   }
-  const int chunk = kChunkable && fa.n_chunks > 0 && !pieces ? gx / ix.NB : 0;
+  const int gm = gx - (pieces ? fa.piece_stride : 0);  // the main CTAs' index
+  const int chunk = kChunkable && fa.n_chunks > 0 && !over ? gm / ix.NB : 0;
   // g_grid: the grid's key block (a function of the CTA index, free to recompute after the loop).
-  const int g_grid = gx - chunk * ix.NB, g = pieces ? piece.x : g_grid;
+  const int g_grid = gm - chunk * ix.NB, g = over ? piece.x : g_grid;
   const int m = H / Hp;
   if (RM > 0 && m != RM) __trap();  // token rows assume groups of exactly RM heads (host-checked)
   // Group p's heads p*m.. lie in kv head p*m / (H/Hkv) = p / G. The G = 1 backward keeps the
@@ -411,7 +420,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   const int kvh = (KL_ONLY || SHARED_KV) ? p / (Hp / Hkv) : p;
   const int pk = p / (Hp / fa.Hpk);
   BlockCtx bc = block_ctx(ix, p, g);
-  if (pieces) {
+  if (over) {
     bc.begin = piece.y;
     bc.end = piece.z;
   } else if constexpr (kChunkable) {
@@ -427,6 +436,10 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       }
       if (bc.begin >= bc.end) return;  // CTA-uniform; the accumulators are zeroed, kl_part too
     }
+  }
+  if (pieces && !over) {  // a main CTA keeps its part's first piece, the overflow CTAs the rest
+    const int len = bc.end - bc.begin, count = list_piece_count(len, fa.piece_cap);
+    if (count > 1) bc.end = list_piece_begin(bc.begin, len, count, 1);
   }
   const int ntiles = (bc.end - bc.begin + kTileTok - 1) / kTileTok;
   const int steps = ntiles * (m + 1);
@@ -449,9 +462,10 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     setmaxnreg_dec<24>();
     if (steps == 0) return;
     if (pieces) {
-      const int* at = piece_record();
-      bc.begin = __ldg(at + 1);
-      bc.end = __ldg(at + 2);
+      if (const int* at = overflow_record()) {
+        bc.begin = __ldg(at + 1);
+        bc.end = __ldg(at + 2);
+      }
     }
     const int pt = threadIdx.x;
     // Keys past the sequence end are zero-filled (they belong to another sequence or lie past T).
@@ -1132,11 +1146,11 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   if (ct == 0) {
     float total = 0.f;
     for (int w = 0; w < 8; ++w) total += sRed[w];
-    // With token chunks: one slot per (chunk, p, g), [n_chunks (+ 1: the own pass)][Hp][NB]; with
-    // list pieces, kl_slot0 + one per (p, piece).
+    // With token chunks: one slot per (chunk, p, g), [n_chunks (+ 1: the own pass)][Hp][NB]; an
+    // overflow piece's at kl_slot0 + one per (p, overflow slot).
     const int slot = fa.own_pass ? fa.n_chunks : chunk;
-    fa.kl_part[pieces ? fa.kl_slot0 + static_cast<int64_t>(p) * fa.piece_stride + gx
-                         : (static_cast<int64_t>(slot) * Hp + p) * ix.NB + g_grid] = total;
+    fa.kl_part[over ? fa.kl_slot0 + static_cast<int64_t>(p) * fa.piece_stride + gx
+                    : (static_cast<int64_t>(slot) * Hp + p) * ix.NB + g_grid] = total;
   }
 }
 

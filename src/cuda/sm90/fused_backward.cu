@@ -384,12 +384,13 @@ __global__ void own_bounds_kernel(bwd::Index ix, int64_t n_lists, int32_t* __res
   own_end[list] = first_entry_from(ix.vals, bc.begin, bc.end, (bc.seq_start + bc.key0 + bwd::kBlk) * ix.K);
 }
 
-// The list pieces of proxy group p = blockIdx.x (FoldArgs::pieces): its lists' parts in the grid's
-// order (chunk, key block g), each part [b, e) (chunk_bounds, past own_end with the own-block pass;
-// the whole list without chunks) cut into ceil((e - b) / cap) near-equal pieces, empty parts into
-// none. One CTA per group: a running block-wide scan of the piece counts over its NB x max(nc, 1)
-// parts (a few thousand at m3/64k) places each part's pieces; the slots past the last piece get
-// empty records, so a CTA learns from its record alone whether it has work.
+// The overflow pieces of proxy group p = blockIdx.x (FoldArgs::pieces): its lists' parts in the
+// grid's order (chunk, key block g), each part [b, e) (chunk_bounds, past own_end with the own-block
+// pass; the whole list without chunks) cut into ceil((e - b) / cap) near-equal pieces, of which the
+// part's own CTA keeps the first and the table lists the others. One CTA per group: a running
+// block-wide scan of the overflow counts over its NB x max(nc, 1) parts (a few thousand at m3/64k)
+// places each part's pieces; the slots past the last get empty records, so a CTA learns from its
+// record alone whether it has work.
 __global__ void __launch_bounds__(1024) build_list_pieces_kernel(bwd::Index ix, int nc,
                                                                  const int32_t* __restrict__ chunk_bounds,  // [Hp, NB, nc + 1] or null
                                                                  const int32_t* __restrict__ own_end,  // [Hp, NB] or null
@@ -418,12 +419,12 @@ __global__ void __launch_bounds__(1024) build_list_pieces_kernel(bwd::Index ix, 
         e = ix.seg_start[list + 1];
       }
     }
-    const int len = max(e - b, 0), count = list_piece_count(len, cap);
+    const int len = max(e - b, 0), count = list_piece_count(len, cap), extra = max(count - 1, 0);
     int first = 0, total = 0;
-    Scan(scan).ExclusiveSum(count, first, total);
+    Scan(scan).ExclusiveSum(extra, first, total);
     first += running;
-    for (int j = 0; j < count; ++j)
-      group[first + j] =
+    for (int j = 1; j < count; ++j)
+      group[first + j - 1] =
           make_int4(g, list_piece_begin(b, len, count, j), list_piece_begin(b, len, count, j + 1), 0);
     __syncthreads();  // every thread has read `running` and the scan storage
     if (threadIdx.x == 0) running += total;
@@ -432,16 +433,16 @@ __global__ void __launch_bounds__(1024) build_list_pieces_kernel(bwd::Index ix, 
   for (int i = running + threadIdx.x; i < stride; i += 1024) group[i] = make_int4(0, 0, 0, 0);
 }
 
-// Where list pieces go in a workspace: the table (a record a slot) and the grid's slots per
-// group (piece_stride, a bound: max_list_pieces over NB x max(nc, 1) list parts of <= T K entries).
+// Where list pieces go in a workspace: the overflow table (a record a slot) and its slots per group
+// (piece_stride: max_overflow_pieces over list parts of <= T K entries in all, at least one).
 struct ListPiecePlan {
   int tokens = 0, stride = 0;  // tokens = 0: no pieces
   size_t o_pieces = 0;
 };
-ListPiecePlan plan_list_pieces(const MsaParams& p, int64_t nb, int nc, int tokens, Workspace& ws) {
+ListPiecePlan plan_list_pieces(const MsaParams& p, int tokens, Workspace& ws) {
   ListPiecePlan lp;
   if (tokens <= 0) return lp;
-  const int64_t stride = max_list_pieces(nb * std::max(nc, 1), p.T * p.top_k, tokens);
+  const int64_t stride = std::max<int64_t>(max_overflow_pieces(p.T * p.top_k, tokens), 1);
   if (stride * p.Hp > INT_MAX)
     throw Error("flashmsa: list pieces: argument 'q': too many for one launch (raise FLASHMSA_BWD_PIECE)");
   lp.tokens = tokens;
@@ -587,7 +588,7 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
                  void* dk_acc, void* dv_acc, void* dkp_acc, const float* fx, const float* row_fx,
                  float* kl_part, bool main_owned, bool kl_owned, int nseg, bool fold, int token_rows,
                  int n_chunks, const int32_t* chunk_bounds, bool dkp_per_head, const int32_t* own_end,
-                 const int4* pieces, int piece_stride, int64_t kl_slot0) {
+                 const int4* pieces, int piece_cap, int piece_stride, int64_t kl_slot0) {
   if (dkp_per_head && !fold)
     throw Error("flashmsa: fused_backward: internal error: per-head dkp partials planned without the folded kernel");
   const auto* q = static_cast<const bf16*>(p.q);
@@ -667,14 +668,13 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
             go(ix.NB);
             fw.own_pass = 0;
           }
-          if (pieces) {
+          if (pieces) {  // the overflow slots, then the usual CTAs
             fw.pieces = pieces;
+            fw.piece_cap = piece_cap;
             fw.piece_stride = piece_stride;
             fw.kl_slot0 = kl_slot0;
-            go(piece_stride);
-          } else {
-            go(static_cast<int64_t>(ix.NB) * std::max(n_chunks, 1));
           }
+          go((pieces ? piece_stride : 0) + static_cast<int64_t>(ix.NB) * std::max(n_chunks, 1));
         };
         if (shared_kv) {
           if (det && row_fx) launch_wgmma(bwd::attn_bwd_wgmma_kernel<false, true, true, 0, true>);
@@ -744,8 +744,8 @@ KlValuePlan plan_kl_value(const MsaParams& p, cudaStream_t stream) {
   // the pieces would reorder); there the variable is ignored rather than refused, so that the check
   // cannot fail after the forward has run.
   const int tokens = alternate_waves(p) ? 0 : backward_piece_tokens().tokens;
-  kp.pieces = plan_list_pieces(p, kp.sel.nkeys / std::max(p.Hp, 1), 0, tokens, kp.ws);
-  kp.n_kl_part = kp.pieces.tokens > 0 ? static_cast<int64_t>(p.Hp) * kp.pieces.stride : kp.sel.nkeys;
+  kp.pieces = plan_list_pieces(p, tokens, kp.ws);
+  kp.n_kl_part = kp.sel.nkeys + static_cast<int64_t>(p.Hp) * kp.pieces.stride;
   kp.o_kl_part = kp.ws.add(std::max<int64_t>(kp.n_kl_part, 1) * sizeof(float));
   return kp;
 }
@@ -790,8 +790,10 @@ void launch_kl_value(const MsaParams& p, cudaStream_t stream) {
     launch_build_list_pieces(p, ix, 0, nullptr, nullptr, kp.pieces, ws, stream);
     FLASHMSA_CUDA_CHECK(cudaMemsetAsync(fa.kl_part, 0, kp.n_kl_part * sizeof(float), stream));  // unused slots
     fa.pieces = ws.at<int4>(kp.pieces.o_pieces);
+    fa.piece_cap = kp.pieces.tokens;
     fa.piece_stride = kp.pieces.stride;
-    grid = static_cast<unsigned>(kp.pieces.stride) * p.Hp;
+    fa.kl_slot0 = kp.sel.nkeys;
+    grid += static_cast<unsigned>(kp.pieces.stride) * p.Hp;  // the overflow slots first
   }
   constexpr int smem = bwd::WgKl::kSmem;
   set_smem(bwd::attn_bwd_wgmma_kernel<true>, smem);
@@ -930,7 +932,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   const size_t o_di = ws.add(T * p.H * sizeof(float));
   const size_t o_lse_s = ws.add(static_cast<size_t>(p.Hp) * T * sizeof(float));
   const int64_t nb = nkeys / p.Hp;
-  const ListPiecePlan pieces = plan_list_pieces(p, nb, n_chunks, use_pieces ? piece_setting.tokens : 0, ws);
+  const ListPiecePlan pieces = plan_list_pieces(p, use_pieces ? piece_setting.tokens : 0, ws);
   const int64_t kl_slot0 = std::max<int64_t>(nkeys, 1) * (std::max(n_chunks, 1) + (own_split ? 1 : 0));
   const int64_t n_kl_part = kl_slot0 + static_cast<int64_t>(p.Hp) * pieces.stride;
   const size_t o_kl_part = ws.add(n_kl_part * sizeof(float));
@@ -1092,7 +1094,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
                    dkp_acc, fx, row_fx, ws.at<float>(o_kl_part), main_owned, kl_owned, nseg, fold, token_rows,
                    n_chunks, n_chunks > 0 ? ws.at<int32_t>(o_chunk_bounds) : nullptr, dkp_per_head,
                    own_split ? ws.at<int32_t>(o_own_end) : nullptr, use_pieces ? ws.at<int4>(pieces.o_pieces) : nullptr,
-                   pieces.stride, kl_slot0);
+                   pieces.tokens, pieces.stride, kl_slot0);
   };
   if (p.D == 64) run(std::integral_constant<int, 64>{});
   else run(std::integral_constant<int, 128>{});
