@@ -25,11 +25,11 @@
 #      gives fm16k's whole sink gain (backward 6.29 -> 3.67 ms) and leaves its N(0, 1) lists alone, the forward's
 #      KL value with a sink 15.3 -> 12.0 ms at m3/32k; but pieces that cut nothing cost m3/64k's fast backward
 #      0.4-0.6 ms (38.8 vs 38.2-38.4) and deterministic mode +6% at fm16k (int64 dkp). Since then (unrun):
-#      empty records instead of a per-group count. Build, carry ["scratch-gpu"], then on an H200:
+#      the overflow form (the usual grid kept, later pieces in slots placed first). Build, carry
+#      ["scratch-gpu"], then on an H200:
 #      `CONFIGS="fm16k:--seqlen 16384 --heads 16 --kv-heads 2;m3_64k:--seqlen 65536" PIECES="0 8192"
-#      ROUNDS=2 bash scripts/gpu_sinks.sh` (fast; ~3 min) and CudaBackward.ListPieces. If m3/64k still loses
-#      with pieces that cut nothing, the overflow form in design.md (Known gaps, skewed selections) is next;
-#      else 8192 becomes the default for the fast forms and the KL value.
+#      ROUNDS=2 bash scripts/gpu_sinks.sh` (fast; ~3 min) after CudaBackward.ListPieces. If N(0, 1) loses
+#      nothing at 8192, make it the default for the fast forms and the KL value.
 #   0b. deterministic dq KV-major on the per-head shapes (FLASHMSA_DET_DQ=kv, the DQ_ROWS form; opt-in, not
 #      run): the suite's CudaBackward.DeterministicDqRowsPerHead and DeterministicDqEnvErrors first, then
 #      VARIANTS="q=scratch-gpu/flashmsa_run;kv=scratch-gpu/flashmsa_run,FLASHMSA_DET_DQ=kv"

@@ -1,6 +1,6 @@
 // How the wgmma backward (and its KL-only form) cuts key blocks' token lists into pieces (src/list_pieces.h,
 // FLASHMSA_BWD_PIECE): every entry in exactly one piece, no piece over the cap, the fewest pieces, sizes
-// within one of each other, and the grid bound never below the pieces a group makes. The GPU suite
+// within one of each other, and the overflow grid's bound never below the later pieces a group makes. The GPU suite
 // (CudaBackward.ListPieces) covers the kernels' results with pieces.
 #include <gtest/gtest.h>
 

@@ -435,15 +435,16 @@ __global__ void __launch_bounds__(1024) build_list_pieces_kernel(bwd::Index ix, 
 
 // Where list pieces go in a workspace: the overflow table (a record a slot) and its slots per group
 // (piece_stride: max_overflow_pieces over list parts of <= T K entries in all, at least one).
+// main_per_group: the usual CTAs per group beside them (NB x max(n_chunks, 1)), for the grid's bound.
 struct ListPiecePlan {
   int tokens = 0, stride = 0;  // tokens = 0: no pieces
   size_t o_pieces = 0;
 };
-ListPiecePlan plan_list_pieces(const MsaParams& p, int tokens, Workspace& ws) {
+ListPiecePlan plan_list_pieces(const MsaParams& p, int tokens, int64_t main_per_group, Workspace& ws) {
   ListPiecePlan lp;
   if (tokens <= 0) return lp;
   const int64_t stride = std::max<int64_t>(max_overflow_pieces(p.T * p.top_k, tokens), 1);
-  if (stride * p.Hp > INT_MAX)
+  if ((stride + main_per_group) * p.Hp > INT_MAX)
     throw Error("flashmsa: list pieces: argument 'q': too many for one launch (raise FLASHMSA_BWD_PIECE)");
   lp.tokens = tokens;
   lp.stride = static_cast<int>(stride);
@@ -717,7 +718,7 @@ void run_kernels(const MsaParams& p, cudaStream_t stream, const bwd::Index& ix, 
 }
 
 // launch_kl_value's workspace: the inverted index, then lse_s and the per-(p, block) shares (with
-// list pieces: per (p, piece), and the pieces' table). The student's partials reuse the index's
+// list pieces: then one per (p, overflow slot), and the overflow table). The student's partials reuse the index's
 // unsorted keys and values, dead once the sort is done (their own buffers with a caller's prebuilt
 // index).
 struct KlValuePlan {
@@ -738,13 +739,13 @@ KlValuePlan plan_kl_value(const MsaParams& p, cudaStream_t stream) {
   kp.o_part_max = own ? kp.ws.add(kp.sel.n_entries * sizeof(float)) : kp.sel.o_keys_in;
   kp.o_part_sum = own ? kp.ws.add(kp.sel.n_entries * sizeof(float)) : kp.sel.o_vals_in;
   kp.o_lse_s = kp.ws.add(static_cast<size_t>(p.Hp) * p.T * sizeof(float));
-  // List pieces as in the backward (FLASHMSA_BWD_PIECE): one CTA per piece of a key block's list,
-  // so that an attention sink's list does not hold one CTA for the whole sequence. Not with the
+  // List pieces as in the backward (FLASHMSA_BWD_PIECE): a key block's list past its first piece goes
+  // to overflow CTAs, so that an attention sink's list does not hold one CTA for the whole sequence. Not with the
   // alternating waves of the dense warm-up (fa.wave_ctas counts waves along the grid's CTAs, which
   // the pieces would reorder); there the variable is ignored rather than refused, so that the check
   // cannot fail after the forward has run.
   const int tokens = alternate_waves(p) ? 0 : backward_piece_tokens().tokens;
-  kp.pieces = plan_list_pieces(p, tokens, kp.ws);
+  kp.pieces = plan_list_pieces(p, tokens, kp.sel.nkeys / std::max(p.Hp, 1), kp.ws);
   kp.n_kl_part = kp.sel.nkeys + static_cast<int64_t>(p.Hp) * kp.pieces.stride;
   kp.o_kl_part = kp.ws.add(std::max<int64_t>(kp.n_kl_part, 1) * sizeof(float));
   return kp;
@@ -932,7 +933,8 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   const size_t o_di = ws.add(T * p.H * sizeof(float));
   const size_t o_lse_s = ws.add(static_cast<size_t>(p.Hp) * T * sizeof(float));
   const int64_t nb = nkeys / p.Hp;
-  const ListPiecePlan pieces = plan_list_pieces(p, use_pieces ? piece_setting.tokens : 0, ws);
+  const ListPiecePlan pieces =
+      plan_list_pieces(p, use_pieces ? piece_setting.tokens : 0, nb * std::max(n_chunks, 1), ws);
   const int64_t kl_slot0 = std::max<int64_t>(nkeys, 1) * (std::max(n_chunks, 1) + (own_split ? 1 : 0));
   const int64_t n_kl_part = kl_slot0 + static_cast<int64_t>(p.Hp) * pieces.stride;
   const size_t o_kl_part = ws.add(n_kl_part * sizeof(float));
