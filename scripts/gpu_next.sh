@@ -14,6 +14,8 @@
 #                                     e.g. with
 #     bash scripts/build_variants.sh ab21 main=main x=exp/some-branch:tests
 #     and carry ["ab21"]: AB_DIR=ab21 TEST_FILTER='CudaBackward.*:CudaGraph.*' bash scripts/gpu_next.sh ab
+#   bash scripts/gpu_next.sh new      the fifty-seventh session's unrun changes (list pieces, overflow form;
+#                                     the per-head int32 deterministic dq): their tests and A/Bs, one call.
 #   bash scripts/gpu_next.sh rule     HEAD's chunk rule (T / 8 from 16k to 32k tokens on the H200, 2ee1f4c) beside
 #                                     the previous default: carry ["scratch-gpu", "scratch-main"] (HEAD's bundle,
 #                                     and 7487f70's in scratch-main), END_S=<limit>; an A/B at m3 16k / 24k / 32k
@@ -26,15 +28,11 @@
 #      KL value with a sink 15.3 -> 12.0 ms at m3/32k; but pieces that cut nothing cost m3/64k's fast backward
 #      0.4-0.6 ms (38.8 vs 38.2-38.4) and deterministic mode +6% at fm16k (int64 dkp). Since then (unrun):
 #      the overflow form (the usual grid kept, later pieces in slots placed first). Build, carry
-#      ["scratch-gpu"], then on an H200:
-#      `CONFIGS="fm16k:--seqlen 16384 --heads 16 --kv-heads 2;m3_64k:--seqlen 65536" PIECES="0 8192"
-#      ROUNDS=2 bash scripts/gpu_sinks.sh` (fast; ~3 min) after CudaBackward.ListPieces. If N(0, 1) loses
-#      nothing at 8192, make it the default for the fast forms and the KL value.
+#      ["scratch-gpu"], then on an H200 `bash scripts/gpu_next.sh new` (with 0b below; ~6-8 min). If N(0, 1)
+#      loses nothing at 8192, make it the default for the fast forms and the KL value.
 #   0b. deterministic dq KV-major on the per-head shapes (FLASHMSA_DET_DQ=kv, the DQ_ROWS form; opt-in, not
-#      run): the suite's CudaBackward.DeterministicDqRowsPerHead and DeterministicDqEnvErrors first, then
-#      VARIANTS="q=scratch-gpu/flashmsa_run;kv=scratch-gpu/flashmsa_run,FLASHMSA_DET_DQ=kv"
-#      CONFIGS="fm16k_det:--seqlen 16384 --heads 16 --kv-heads 2 --deterministic" bash scripts/gpu_ab.sh
-#      (predicted: deterministic backward ~11.4 -> ~4 ms on the H200); if it holds, make it the default
+#      run; in `gpu_next.sh new`): DeterministicDqRowsPerHead, DeterministicDqEnvErrors, then an A/B at
+#      fm16k deterministic (predicted: backward ~11.4 -> ~4 ms on the H200); if it holds, make it the default
 #      there (fused_backward.cu, dq_kv_int32) and add --bitwise-reruns runs of fm16k to the scale stage.
 #   (fifty-third session, which swept the backward's chunks on an H200: the H100's T / 16 loses there at
 #   64k, T / 8 gains from 16k to 32k, now the H200's default, measured with forced counts only:)
@@ -52,6 +50,27 @@ cd "$(dirname "$0")/.."
 mode=${1:-record}
 if [ "$mode" = record ]; then
   exec bash scripts/gpu_check.sh  # its stages: $STAGES, else all
+fi
+if [ "$mode" = new ]; then
+  # The fifty-seventh session's unrun changes in one call (~6-8 min; carry ["scratch-gpu"]): their GPU
+  # tests, then the list pieces at N = 0 / 8192 (sinks 0 / 1, fast, forward KL value, deterministic) and
+  # the per-head int32 dq (DQ_ROWS) against the query-major dq, fm16k deterministic. NEW_CONFIGS narrows
+  # the pieces runs (default fm16k and m3/64k).
+  OUT=${OUT:-/tmp/flashmsa-next}
+  mkdir -p "$OUT"
+  for f in scratch-gpu/*.xz; do [ -f "$f" ] && [ ! -x "${f%.xz}" ] && xz -d -k -T8 "$f" && chmod +x "${f%.xz}"; done
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 200 scratch-gpu/flashmsa_gpu_tests --gtest_brief=1 \
+    --gtest_filter='CudaBackward.ListPieces:CudaBackward.DeterministicDq*:CudaBackward.KlValue*' \
+    > "$OUT/new_tests.log" 2>&1
+  echo "new tests: exit $?"; grep -E "FAILED|PASSED" "$OUT/new_tests.log" | tail -n 8
+  CONFIGS=${NEW_CONFIGS:-"fm16k:--seqlen 16384 --heads 16 --kv-heads 2;m3_64k:--seqlen 65536"} \
+    MODES="-;--forward-kl;--deterministic" PIECES="0 8192" OUT=$OUT/sinks timeout 330 bash scripts/gpu_sinks.sh
+  VARIANTS="q=scratch-gpu/flashmsa_run;kv=scratch-gpu/flashmsa_run,FLASHMSA_DET_DQ=kv" \
+    CONFIGS="fm16k_det:--seqlen 16384 --heads 16 --kv-heads 2 --deterministic" ROUNDS=2 OUT=$OUT/dq \
+    timeout 120 bash scripts/gpu_ab.sh | tail -n 8
+  tar czf "$OUT/new.tgz" -C "$OUT" new_tests.log sinks dq 2>/dev/null
+  exit 0
 fi
 if [ "$mode" = rule ]; then
   OUT=${OUT:-/tmp/flashmsa-next}

@@ -10,7 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/flashmsa-sinks}
 mkdir -p "$OUT"
-for f in scratch-gpu/*.xz; do [ -x "${f%.xz}" ] || { xz -d -k -T8 "$f" && chmod +x "${f%.xz}"; }; done
+for f in scratch-gpu/*.xz; do [ -f "$f" ] && [ ! -x "${f%.xz}" ] && xz -d -k -T8 "$f" && chmod +x "${f%.xz}"; done
 nvidia-smi --query-gpu=name --format=csv,noheader
 RUN=scratch-gpu/flashmsa_run
 CONFIGS=${CONFIGS:-"fm16k:--seqlen 16384 --heads 16 --kv-heads 2;m3_32k:--seqlen 32768;m3_64k:--seqlen 65536"}
