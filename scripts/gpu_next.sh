@@ -52,10 +52,10 @@ if [ "$mode" = record ]; then
   exec bash scripts/gpu_check.sh  # its stages: $STAGES, else all
 fi
 if [ "$mode" = new ]; then
-  # The fifty-seventh session's unrun changes in one call (~6-8 min; carry ["scratch-gpu"]): their GPU
-  # tests, then the list pieces at N = 0 / 8192 (sinks 0 / 1, fast, forward KL value, deterministic) and
-  # the per-head int32 dq (DQ_ROWS) against the query-major dq, fm16k deterministic. NEW_CONFIGS narrows
-  # the pieces runs (default fm16k and m3/64k).
+  # The fifty-seventh session's unrun changes in one call (~8 min; carry ["scratch-gpu"]): their GPU
+  # tests, then the list pieces at N = 0 / 2048 / 8192 (sinks 0 / 1; fm16k also with the forward's KL
+  # value and deterministic) and the per-head int32 dq (DQ_ROWS) against the query-major dq, fm16k
+  # deterministic. NEW_CONFIGS narrows the pieces runs (default fm16k, m3/32k and m3/64k).
   OUT=${OUT:-/tmp/flashmsa-next}
   mkdir -p "$OUT"
   for f in scratch-gpu/*.xz; do [ -f "$f" ] && [ ! -x "${f%.xz}" ] && xz -d -k -T8 "$f" && chmod +x "${f%.xz}"; done
@@ -64,12 +64,16 @@ if [ "$mode" = new ]; then
     --gtest_filter='CudaBackward.ListPieces:CudaBackward.DeterministicDq*:CudaBackward.KlValue*' \
     > "$OUT/new_tests.log" 2>&1
   echo "new tests: exit $?"; grep -E "FAILED|PASSED" "$OUT/new_tests.log" | tail -n 8
-  CONFIGS=${NEW_CONFIGS:-"fm16k:--seqlen 16384 --heads 16 --kv-heads 2;m3_64k:--seqlen 65536"} \
-    MODES="-;--forward-kl;--deterministic" PIECES="0 8192" OUT=$OUT/sinks timeout 330 bash scripts/gpu_sinks.sh
+  # The host model (scripts/model_list_pieces.py) puts a sink's cost without pieces at +40% of the backward
+  # at m3/64k on the H200 (T / 4 chunks), +18% at 32k (T / 8), and the cap that removes it near 1-2k tokens.
+  CONFIGS=${NEW_CONFIGS:-"fm16k:--seqlen 16384 --heads 16 --kv-heads 2;m3_32k:--seqlen 32768;m3_64k:--seqlen 65536"} \
+    PIECES="0 2048 8192" OUT=$OUT/sinks timeout 300 bash scripts/gpu_sinks.sh
+  CONFIGS="fm16k:--seqlen 16384 --heads 16 --kv-heads 2" MODES="--forward-kl;--deterministic" PIECES="0 2048" \
+    OUT=$OUT/sinks_modes timeout 120 bash scripts/gpu_sinks.sh
   VARIANTS="q=scratch-gpu/flashmsa_run;kv=scratch-gpu/flashmsa_run,FLASHMSA_DET_DQ=kv" \
     CONFIGS="fm16k_det:--seqlen 16384 --heads 16 --kv-heads 2 --deterministic" ROUNDS=2 OUT=$OUT/dq \
     timeout 120 bash scripts/gpu_ab.sh | tail -n 8
-  tar czf "$OUT/new.tgz" -C "$OUT" new_tests.log sinks dq 2>/dev/null
+  tar czf "$OUT/new.tgz" -C "$OUT" new_tests.log sinks sinks_modes dq 2>/dev/null
   exit 0
 fi
 if [ "$mode" = rule ]; then
