@@ -36,8 +36,9 @@
 // DET (deterministic mode with top_k <= 32), per-head tiles: no dQ at all (the query-major
 // dq_kernel computes it without atomics), so a head step neither writes the dS tile nor joins its
 // two barriers; with token rows, or per-head with DQ_ROWS: dQ and dqp staged as int32 fixed point
-// (see below the kernel's template comment). dqp (per-head form) goes out as int64 fixed-point atomics (integer adds
-// commute: the sums do not depend on the atomics' order), dkp as fp32 partials with one writer per
+// (see below the kernel's template comment). dqp (per-head form without DQ_ROWS) goes out as int64
+// fixed-point atomics (integer adds commute: the sums do not depend on the atomics' order), dkp as
+// fp32 partials with one writer per
 // row (FoldArgs::dkp_per_head; int64 fixed point with token chunks or list pieces). dK, dV (owned)
 // and the KL shares have a fixed order already; SHARED_KV's dK, dV (and every form's with chunks or
 // pieces) go out as fixed point too (factors fx[1], fx[2]).
@@ -302,8 +303,8 @@ __device__ __forceinline__ void ss_tokens_by_keys(float (&acc)[32], uint32_t ds_
 // condition) and compiles to the same PTX as before the KL_ONLY loop existed (helpers factored
 // out of that loop did not: inlining renumbered its registers).
 // DET = true (deterministic mode, top_k <= 32), per-head tiles (RM = 0, without DQ_ROWS): the full
-// backward without dQ (dq_acc is not read; the query-major dq_kernel writes dq), dqp as int64 fixed point (factor
-// fx[3]), dkp as fp32 partials (fa.dkp_per_head) or int64 (fx[4]). Its head step retires dV / dK,
+// backward without dQ (dq_acc is not read; the query-major dq_kernel writes dq), dqp as int64 fixed
+// point (factor fx[3]), dkp as fp32 partials (fa.dkp_per_head) or int64 (fx[4]). Its head step retires dV / dK,
 // releases the stage and issues the next step's S^T at the same single call site as the full
 // kernel, with nothing to wait for behind it.
 // DQ_ROWS (DET, RM = 0 only; FLASHMSA_DET_DQ=kv on per-head shapes): the per-head DET form computes
