@@ -38,10 +38,9 @@
 // two barriers; with token rows, or per-head with DQ_ROWS: dQ and dqp staged as int32 fixed point
 // (see below the kernel's template comment). dqp (per-head form without DQ_ROWS) goes out as int64
 // fixed-point atomics (integer adds commute: the sums do not depend on the atomics' order), dkp as
-// fp32 partials with one writer per
-// row (FoldArgs::dkp_per_head; int64 fixed point with token chunks or list pieces). dK, dV (owned)
-// and the KL shares have a fixed order already; SHARED_KV's dK, dV (and every form's with chunks or
-// pieces) go out as fixed point too (factors fx[1], fx[2]).
+// fp32 partials with one writer per row (FoldArgs::dkp_per_head; int64 fixed point with token chunks
+// or list pieces). dK, dV (owned) and the KL shares have a fixed order already; SHARED_KV's dK, dV
+// (and every form's with chunks or pieces) go out as fixed point too (factors fx[1], fx[2]).
 //
 // Operand orientation (every tile bf16, 128-byte swizzle; key tiles are 64-column slabs of R rows x
 // 128 B, token tiles [8-row group][slab][8 rows] as WgLayout says):
