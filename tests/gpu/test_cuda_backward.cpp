@@ -408,9 +408,9 @@ TEST(CudaBackward, DeterministicDqEnvErrors) {
 }
 
 // Deterministic mode on the wgmma kernel's shapes (D = 128, K <= 32) runs its DET form (dkp as fp32
-// partials per proxy head; groups of 8 / 16 heads: token rows with dq and dqp staged as int32 unless
-// FLASHMSA_DET_DQ=query; other shapes likewise with FLASHMSA_DET_DQ=kv (DQ_ROWS), else dqp in int64 and
-// no dQ beside the query-major dq): it must
+// partials per proxy head; dq and dqp staged as int32 (groups of 8 / 16 heads: token rows; other shapes:
+// the per-head form's DQ_ROWS) unless FLASHMSA_DET_DQ=query (then dqp in int64 and no dQ beside the
+// query-major dq): it must
 // agree with the fast mode (fp32 atomics) and with the CPU, and give the same bits, all five gradients
 // and kl, every run.
 void check_deterministic_wgmma(const Shape& s, uint64_t seed, float kl_grad) {
@@ -437,8 +437,8 @@ void check_deterministic_wgmma(const Shape& s, uint64_t seed, float kl_grad) {
   expect_bitwise_reruns(d, st, det, 5, "det wgmma");
 }
 
-// The per-head DET form with the int32 dq (DQ_ROWS: FLASHMSA_DET_DQ=kv outside the token rows,
-// opt-in), on groups of 32 and of 4 heads (G = 1), on groups of 16 with FLASHMSA_BWD_ROWS=0, and on
+// The per-head DET form with the int32 dq (DQ_ROWS, the default outside the token rows; FLASHMSA_DET_DQ=kv
+// makes any other route an error), on groups of 32 and of 4 heads (G = 1), on groups of 16 with FLASHMSA_BWD_ROWS=0, and on
 // fm16k's two groups per kv head (SHARED_KV).
 TEST(CudaBackward, DeterministicDqRowsPerHead) {
   GPUTEST_REQUIRE_DEVICE();

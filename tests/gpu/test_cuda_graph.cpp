@@ -388,8 +388,8 @@ TEST(CudaWorkspace, ForwardWithinHalfQ) {
 // The backward keeps its side accumulators in dq's buffer (fused_backward.cu), at 256-byte offsets
 // from dq's start; the API asks dq for 16-byte alignment only. A dq view 16 bytes into its buffer
 // gives the same bits in deterministic mode, on token-row tiles (groups of 16): there dq's buffer
-// holds the int32 dqp and int64 dkp accumulators (with other shapes deterministic mode's dq is
-// query-major by default and dq's buffer holds nothing).
+// holds the int32 dqp and int64 dkp accumulators (with FLASHMSA_DET_DQ=query deterministic mode's dq
+// is query-major and dq's buffer holds nothing).
 TEST(CudaWorkspace, DqOnlySixteenByteAligned) {
   GPUTEST_REQUIRE_DEVICE();
   const Shape s = shape(32, 2, 2, 1, 128, 16, {1500, 0, 700});

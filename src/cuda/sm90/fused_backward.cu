@@ -328,21 +328,27 @@ int backward_chunk_tokens(int64_t T, bool det) {
   return count > 0 ? static_cast<int>((T + count - 1) / count) : 0;
 }
 // Tokens per list piece of the wgmma backward and of its KL-only form (FoldArgs::pieces; 0: none, the
-// grid's own (chunk, block) CTAs). FLASHMSA_BWD_PIECE sets it (read per call; set, it makes a problem the pieces
-// do not apply to an error: how tests prove they ran); 2048 is about the mean list (K x 128 tokens at
-// K = 16), so that N(0, 1) selections are cut little and an attention sink's list of every token
-// spreads over T / 2048 CTAs: fm16k with a sink block, H100, backward 6.23-6.26 -> 3.66 ms
-// (bench/results/h100_124a96b_sinks.log). Off by default until an A/B on N(0, 1) selections says it
-// costs them nothing (not yet run).
+// grid's own (chunk, block) CTAs). FLASHMSA_BWD_PIECE sets it (read per call; set > 0, it makes a problem
+// the pieces do not apply to an error: how tests prove they ran; set to 0, none). Unset: the fast backward
+// takes kDefaultPieceTokens where its dK / dV already go through accumulators (token chunks, or
+// groups sharing a kv head), so that the default changes neither its workspace nor its dK / dV path.
+// 8192 tokens cut no list of N(0, 1) selections at fm16k, m3/32k or m3/64k and an attention sink's list
+// of every token into T / 8192 pieces: on an H100 (bench/results/h100_f561bec_new), fm16k backward
+// N(0, 1) 3.166 -> 3.167 ms, with a sink block 6.296 -> 3.703; m3/64k N(0, 1) 38.31 -> 38.28. The
+// deterministic backward keeps none (its pieces put dkp in int64: fm16k +6-9%), nor does the KL-only
+// form (fm16k's KL value +3.5% at 8192 in the first form; the overflow form not yet timed there).
+constexpr int kDefaultPieceTokens = 8192;
 struct PieceSetting {
   int tokens = 0;
-  bool forced = false;
+  bool forced = false;  // FLASHMSA_BWD_PIECE > 0
+  bool set = false;     // FLASHMSA_BWD_PIECE present
 };
 PieceSetting backward_piece_tokens() {
   PieceSetting s;
   if (const char* v = std::getenv("FLASHMSA_BWD_PIECE")) {
     s.tokens = std::max(0, std::atoi(v));
     s.forced = s.tokens > 0;
+    s.set = true;
   }
   return s;
 }
@@ -499,9 +505,9 @@ bool backward_path_forces_mma() { return env_is("FLASHMSA_BACKWARD_PATH", "mma")
 // =1 makes it an error when the token-row tiles do not take a problem (tests). Read per call.
 bool backward_rows_env(const char* value) { return env_is("FLASHMSA_BWD_ROWS", value); }
 // FLASHMSA_DET_DQ=query: deterministic mode's dq from the query-major kernel (beside the per-head
-// DET form) where the token-row DET form would compute dq and dqp as int32 fixed point; =kv takes
-// that int32 dq on the per-head wgmma shapes too (DQ_ROWS, opt-in) and makes it an error where the
-// wgmma backward does not take the problem (tests). Read per call.
+// DET form) where the wgmma backward would compute dq and dqp as int32 fixed point (the token-row
+// DET form, or the per-head one's DQ_ROWS); =kv makes it an error where the wgmma backward's int32
+// dq does not take the problem (tests). Read per call.
 bool det_dq_env(const char* value) { return env_is("FLASHMSA_DET_DQ", value); }
 
 // kl_coeff / (Hp*T): the KL value's factor on its sum of terms, and dS_proxy's before g.
@@ -851,16 +857,16 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // (bulk .add.s32 of staged rows, order-independent) with a factor per row (di_kernel: from the
   // row's ||dO||_1, Di and max|k|, max|v|; a per-tensor bound left rows far below the largest one
   // too little resolution), dqp likewise with its per-tensor factor fx[6], in accumulators of the
-  // fast form's size (2 x size(q)); else (FLASHMSA_DET_DQ=query, other shapes) the query-major
-  // dq_kernel (reads a token's selection one entry per lane: K <= 32). The dense warm-up's
+  // fast form's size (2 x size(q)); with FLASHMSA_DET_DQ=query, or outside the wgmma shapes, the
+  // query-major dq_kernel (reads a token's selection one entry per lane: K <= 32). The dense warm-up's
   // all-blocks index (K > 32) keeps dq on the int64 fixed-point atomics. The other wgmma shapes
   // (per-head tiles: groups of 4 heads, fm16k's two groups per kv head) take the same int32 dq
-  // with FLASHMSA_DET_DQ=kv (DQ_ROWS: the per-head DET form computing dQ as the fast one does);
-  // opt-in until measured against their query-major dq (fm16k: the deterministic backward
-  // 11.44 ms against 3.39 fast on the H200, most of it that dq kernel).
+  // (DQ_ROWS: the per-head DET form computing dQ as the fast one does). fm16k deterministic backward on
+  // an H100: 10.58 ms with the query-major dq, 3.90 with this one (fast 3.17; bench/results/
+  // h100_f561bec_new/dq), for 35 MB more workspace there (216 MB = 3.2 x size(q) against 182 = 2.7 x:
+  // dq's int32 rows in the workspace, the int64 dk / dv beside them).
   const bool wgmma_shape = fold && p.D == 128 && wgmma_kv_applies(p);
-  const bool dq_kv_int32 =
-      det && K <= 32 && wgmma_shape && (rows_shape ? !det_dq_env("query") : det_dq_env("kv"));
+  const bool dq_kv_int32 = det && K <= 32 && wgmma_shape && !det_dq_env("query");
   if (det_dq_env("kv") && det && !dq_kv_int32)
     throw Error("flashmsa: fused_backward: FLASHMSA_DET_DQ=kv, but the wgmma backward's int32 dq does not take "
                 "this problem (argument 'q': D = Dv = Dp = 128, whole proxy groups of >= 2 heads per kv head, "
@@ -891,7 +897,8 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // List pieces (FoldArgs::pieces): every form of the wgmma kernel, fast and deterministic, not the
   // dense warm-up (its alternating waves); dk / dv then go through the accumulators (deterministic:
   // int64 fixed point, as with token chunks).
-  const PieceSetting piece_setting = backward_piece_tokens();
+  PieceSetting piece_setting = backward_piece_tokens();
+  if (!piece_setting.set && !det && (!main_owned || n_chunks > 0)) piece_setting.tokens = kDefaultPieceTokens;
   const bool use_pieces = piece_setting.tokens > 0 && takes_wgmma && !alternate_waves(p);
   if (piece_setting.forced && !use_pieces)
     throw Error("flashmsa: fused_backward: FLASHMSA_BWD_PIECE is set, but list pieces do not apply (argument 'q': "
