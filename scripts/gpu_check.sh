@@ -5,7 +5,7 @@
 #   bash scripts/build_gpu_bundle.sh      # -> scratch-gpu/ (flashmsa_gpu_tests, flashmsa_run, _C.so)
 # and the device call carries scratch-gpu. Stages, as arguments or in $STAGES: tests sanitizer main
 # python scale bench racecheck (default: all; racecheck_wgmma and racecheck_det on request); `scale` runs the main job
-# at m3 64k (phase split, memory), 1M tokens, deterministic 64k (timed, and bitwise over 5 steps), fm16k
+# at m3 64k (phase split, memory), 1M tokens, deterministic 64k (timed, and bitwise over 5 steps), fm16k (and bitwise deterministic)
 # and the dense warm-up at 16k (with --graph: the step captured in a CUDA graph, too). `timeline` (not in the default) lists one
 # op step's kernels with their streams and the GPU's idle time at m3 64k / 32k and fm16k.
 set -uo pipefail
@@ -85,6 +85,9 @@ if has scale; then
     --iters 5 --bitwise-reruns
   run_stage fm16k "$BIN/flashmsa_run" --device cuda --seqlen 16384 --heads 16 --kv-heads 2 --check-tokens 2 \
     --check-keys 1 --graph --json "$LOGS/fm16k.json"
+  # fm16k's deterministic backward takes the per-head form's int32 dq (DQ_ROWS) by default since 1ae94b7.
+  run_stage fm16k_det_bitwise "$BIN/flashmsa_run" --device cuda --seqlen 16384 --heads 16 --kv-heads 2 \
+    --check-tokens 2 --check-keys 1 --deterministic --iters 5 --bitwise-reruns
   run_stage m3_16k_warmup "$BIN/flashmsa_run" --device cuda --seqlen 16384 --mode warmup --check-tokens 2 \
     --check-keys 0 --graph --json "$LOGS/m3_16k_warmup.json"
 fi

@@ -22,18 +22,13 @@
 #                                     / 64k, gqa8 16k (not yet run with chunks on an H200) and fm16k, checked,
 #                                     then HEAD's benchmark in the time left (the next record). ~4-5 min.
 #                                     RULE_CONFIGS (gpu_ab.sh's CONFIGS) narrows the A/B for a short call.
-# Next (as of the fifty-seventh session, whose three device calls got one H100):
-#   0. the list pieces (opt-in). Measured on that H100 (bench/results/h100_2879495_sinks.log): a cap of 8192
-#      gives fm16k's whole sink gain (backward 6.29 -> 3.67 ms) and leaves its N(0, 1) lists alone, the forward's
-#      KL value with a sink 15.3 -> 12.0 ms at m3/32k; but pieces that cut nothing cost m3/64k's fast backward
-#      0.4-0.6 ms (38.8 vs 38.2-38.4) and deterministic mode +6% at fm16k (int64 dkp). Since then (unrun):
-#      the overflow form (the usual grid kept, later pieces in slots placed first). Build, carry
-#      ["scratch-gpu"], then on an H200 `bash scripts/gpu_next.sh new` (with 0b below; ~6-8 min). If N(0, 1)
-#      loses nothing at 8192, make it the default for the fast forms and the KL value.
-#   0b. deterministic dq KV-major on the per-head shapes (FLASHMSA_DET_DQ=kv, the DQ_ROWS form; opt-in, not
-#      run; in `gpu_next.sh new`): DeterministicDqRowsPerHead, DeterministicDqEnvErrors, then an A/B at
-#      fm16k deterministic (predicted: backward ~11.4 -> ~4 ms on the H200); if it holds, make it the default
-#      there (fused_backward.cu, dq_kv_int32) and add --bitwise-reruns runs of fm16k to the scale stage.
+# Next (as of the fifty-eighth session, whose device calls got one H100 again):
+#   0. `gpu_next.sh new` ran on that H100 (bench/results/h100_f561bec_new): the overflow pieces cost N(0, 1)
+#      nothing at 8192, DQ_ROWS took fm16k's deterministic backward 10.58 -> 3.90 ms. Both are defaults since
+#      1ae94b7 (pieces of 8192 in the fast backward with token chunks or SHARED_KV; DQ_ROWS on every wgmma
+#      shape): their H200 run is the record below (its GPU suite runs the new defaults' tests). The m3 sinks
+#      on the H200's T / 4 chunks: `NEW_CONFIGS="m3_64k:--seqlen 65536" bash scripts/gpu_next.sh new` (the
+#      host model: +17% left at 8192, +0.6% at 2048).
 #   (fifty-third session, which swept the backward's chunks on an H200: the H100's T / 16 loses there at
 #   64k, T / 8 gains from 16k to 32k, now the H200's default, measured with forced counts only:)
 #   1. ONLY_H200=1 END_S=560 bash scripts/gpu_next.sh rule (timeout_s 580).
