@@ -29,6 +29,17 @@
 #      shape): their H200 run is the record below (its GPU suite runs the new defaults' tests). The m3 sinks
 #      on the H200's T / 4 chunks: `NEW_CONFIGS="m3_64k:--seqlen 65536" bash scripts/gpu_next.sh new` (the
 #      host model: +17% left at 8192, +0.6% at 2048).
+#   0c. the sink's residual cost: with its list cut (pieces), a sink block still costs the fast backward +13-15%
+#      at fm16k and m3/32k, +21% at m3/64k on the H100 (where the chunks cut the list already), while the
+#      forward's KL value (no dkp) shows none. Hypothesis: dkp's per-tile fp32 REDs all land on the sink's
+#      128 key rows. Probe (docs/prepared/probe-dkp-sink.patch, branch exp/probe-dkp-sink: the fast form's
+#      dkp REDs left out, wrong dkp by design): `bash scripts/build_variants.sh ab58 main=main
+#      pd=exp/probe-dkp-sink`, carry ["ab58"], then
+#      AB_DIR=ab58 CHECK=0 ROUNDS=2 CONFIGS="fm16k:--seqlen 16384 --heads 16 --kv-heads 2;fm16k_sink:--seqlen
+#      16384 --heads 16 --kv-heads 2 --sink-blocks 1;m3_64k:--seqlen 65536;m3_64k_sink:--seqlen 65536
+#      --sink-blocks 1" bash scripts/gpu_next.sh ab   (~4 min). If pd's sink gap (sink - N(0, 1)) is near
+#      zero where main's is not, the REDs are the cause: spread them (e.g. per-CTA dkp in shared memory for
+#      long lists) and re-time.
 #   (fifty-third session, which swept the backward's chunks on an H200: the H100's T / 16 loses there at
 #   64k, T / 8 gains from 16k to 32k, now the H200's default, measured with forced counts only:)
 #   1. ONLY_H200=1 END_S=560 bash scripts/gpu_next.sh rule (timeout_s 580).

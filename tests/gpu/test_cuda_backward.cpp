@@ -437,9 +437,9 @@ void check_deterministic_wgmma(const Shape& s, uint64_t seed, float kl_grad) {
   expect_bitwise_reruns(d, st, det, 5, "det wgmma");
 }
 
-// The per-head DET form with the int32 dq (DQ_ROWS, the default outside the token rows; FLASHMSA_DET_DQ=kv
-// makes any other route an error), on groups of 32 and of 4 heads (G = 1), on groups of 16 with FLASHMSA_BWD_ROWS=0, and on
-// fm16k's two groups per kv head (SHARED_KV).
+// The per-head DET form with the int32 dq (DQ_ROWS, the default outside the token rows;
+// FLASHMSA_DET_DQ=kv makes any other route an error), on groups of 32 and of 4 heads (G = 1), on
+// groups of 16 with FLASHMSA_BWD_ROWS=0, and on fm16k's two groups per kv head (SHARED_KV).
 TEST(CudaBackward, DeterministicDqRowsPerHead) {
   GPUTEST_REQUIRE_DEVICE();
   gputest::ScopedEnv dq("FLASHMSA_DET_DQ", "kv");  // an error unless the int32 dq runs
