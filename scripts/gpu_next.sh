@@ -39,7 +39,10 @@
 #      16384 --heads 16 --kv-heads 2 --sink-blocks 1;m3_64k:--seqlen 65536;m3_64k_sink:--seqlen 65536
 #      --sink-blocks 1" bash scripts/gpu_next.sh ab   (~4 min). If pd's sink gap (sink - N(0, 1)) is near
 #      zero where main's is not, the REDs are the cause: spread them (e.g. per-CTA dkp in shared memory for
-#      long lists) and re-time.
+#      long lists) and re-time. (Against it: ~256 REDs a 25 us tile period on each of the sink's lines is far
+#      below an L2 slice's same-line atomic rate.) Beside it, where the sink's warps wait, instruction by
+#      instruction, and the SMs' balance (a tail?) (~1 min each): SEQ=16384 RUN_ARGS="--heads 16 --kv-heads 2 --sink-blocks 1" NAME=sink
+#      bash scripts/gpu_stalls.sh, and NAME=plain without --sink-blocks; compare with scripts/sass_stalls.py.
 #   (fifty-third session, which swept the backward's chunks on an H200: the H100's T / 16 loses there at
 #   64k, T / 8 gains from 16k to 32k, now the H200's default, measured with forced counts only:)
 #   1. ONLY_H200=1 END_S=560 bash scripts/gpu_next.sh rule (timeout_s 580).
