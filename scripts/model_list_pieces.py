@@ -6,7 +6,8 @@ earlier blocks (the benchmark's N(0, 1) selection is near that), with --sink blo
 is a key block's list within one token chunk (none: the whole list); it costs a + tiles (64 tokens a
 tile); an empty part costs e. CTAs go in grid order to the first free SM (one CTA per SM, as the
 kernel's 384 x 168 registers allow). Pieces: each part past `cap` tokens keeps its first piece in its own
-CTA; the later pieces run in slots placed first in the group's range (the overflow form). Prints the
+CTA; the later pieces run in slots placed first in the group's range (the overflow form; --front: all the
+cut part's pieces there, its own CTA empty). Prints the
 makespan (tile units) and its ratio to the balanced bound, per case.
 
   python3 scripts/model_list_pieces.py --seqlen 32768 --chunks 16       # the H100's m3/32k
@@ -40,10 +41,13 @@ def lists_for_group(T, K, sink, rng):
     return [t_sorted[starts[g]:starts[g + 1]] for g in range(nb)]
 
 
-def ctas(lists, T, chunk, cap, a, e):
-    """The group's CTA costs in grid order: overflow slots first, then the (chunk, block) parts."""
+def ctas(lists, T, chunk, cap, a, e, K, tile_tokens, front):
+    """The group's CTA costs in grid order: its T K / cap overflow slots first (empty ones cost e), then
+    the (chunk, block) parts. A tile holds tile_tokens tokens and costs tile_tokens / 64 units. front:
+    a cut part puts all its pieces in the overflow slots and its own CTA exits (costs e)."""
     nb = len(lists)
     nc = (T + chunk - 1) // chunk if chunk else 1
+    cost = lambda n: a + -(-n // tile_tokens) * tile_tokens / 64
     main, overflow = [], []
     for c in range(nc):
         for g in range(nb):
@@ -58,9 +62,15 @@ def ctas(lists, T, chunk, cap, a, e):
                 continue
             count = -(-n // cap) if cap else 1
             sizes = [(n * (j + 1)) // count - (n * j) // count for j in range(count)]
-            main.append(a + -(-sizes[0] // 64))
-            overflow += [a + -(-s // 64) for s in sizes[1:]]
-    return overflow + main
+            if front and count > 1:
+                main.append(e)
+                overflow += [cost(s) for s in sizes]
+            else:
+                main.append(cost(sizes[0]))
+                overflow += [cost(s) for s in sizes[1:]]
+    slots = max((2 if front else 1) * (T * K // cap), 1) if cap else 0
+    assert len(overflow) <= slots or not cap
+    return overflow + [e] * (slots - len(overflow)) + main
 
 
 def makespan(costs, sms):
@@ -85,6 +95,8 @@ def main():
     ap.add_argument("--cta-cost", type=float, default=0.5, help="a: a CTA's fixed cost, in tiles")
     ap.add_argument("--empty-cost", type=float, default=0.05)
     ap.add_argument("--caps", default="0,512,1024,2048,4096,8192")
+    ap.add_argument("--tile-tokens", type=int, default=64, help="tokens a tile (token rows of m heads: 64 / m)")
+    ap.add_argument("--front", action="store_true", help="a cut part's pieces all in the overflow slots")
     args = ap.parse_args()
     T = args.seqlen
     chunk = -(-T // args.chunks) if args.chunks else 0
@@ -93,7 +105,8 @@ def main():
         lists = [lists_for_group(T, args.topk, sink, rng) for _ in range(args.groups)]
         longest = max(len(l) for gl in lists for l in gl)
         for cap in [int(c) for c in args.caps.split(",")]:
-            per_group = [ctas(gl, T, chunk, cap, args.cta_cost, args.empty_cost) for gl in lists]
+            per_group = [ctas(gl, T, chunk, cap, args.cta_cost, args.empty_cost, args.topk, args.tile_tokens,
+                              args.front) for gl in lists]
             if args.block_major:  # x = slot * Hp + p: the groups' CTAs interleaved
                 costs = [c for row in zip(*per_group) for c in row]
             else:  # y = p: group after group
