@@ -43,6 +43,10 @@
 #      below an L2 slice's same-line atomic rate.) Beside it, where the sink's warps wait, instruction by
 #      instruction, and the SMs' balance (a tail?) (~1 min each): SEQ=16384 RUN_ARGS="--heads 16 --kv-heads 2 --sink-blocks 1" NAME=sink
 #      bash scripts/gpu_stalls.sh, and NAME=plain without --sink-blocks; compare with scripts/sass_stalls.py.
+#   0d. list pieces at the front (branch exp/pieces-front, a2bc25f; compiled, CPU tests, not run): a part over
+#      the cap goes whole to the overflow slots, the default cap with chunks is half a chunk; host model: the
+#      H200's m3/64k sink +18% -> +0.4%, the H100's +3.8% -> +0.4% at 2048. With 0c in one call (ab58 holds
+#      run_main, run_pd, run_front, tests_front; ~7 min): `bash scripts/gpu_next.sh sinks2`, carry ["ab58"].
 #   (fifty-third session, which swept the backward's chunks on an H200: the H100's T / 16 loses there at
 #   64k, T / 8 gains from 16k to 32k, now the H200's default, measured with forced counts only:)
 #   1. ONLY_H200=1 END_S=560 bash scripts/gpu_next.sh rule (timeout_s 580).
@@ -83,6 +87,23 @@ if [ "$mode" = new ]; then
     CONFIGS="fm16k_det:--seqlen 16384 --heads 16 --kv-heads 2 --deterministic" ROUNDS=2 OUT=$OUT/dq \
     timeout 120 bash scripts/gpu_ab.sh | tail -n 8
   tar czf "$OUT/new.tgz" -C "$OUT" new_tests.log sinks sinks_modes dq 2>/dev/null
+  exit 0
+fi
+if [ "$mode" = sinks2 ]; then
+  # 0c + 0d (carry ["ab58"]): the front pieces' GPU tests, then main / front / pd (no fast dkp REDs: wrong
+  # dkp, its check fails by design) with and without a sink block, one round, checked.
+  OUT=${OUT:-/tmp/flashmsa-next}
+  mkdir -p "$OUT"
+  for f in ab58/*.xz; do [ -f "$f" ] && [ ! -x "${f%.xz}" ] && xz -d -k -T8 "$f" && chmod +x "${f%.xz}"; done
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 170 ab58/tests_front --gtest_brief=1 \
+    --gtest_filter='CudaBackward.*' \
+    > "$OUT/tests_front.log" 2>&1
+  echo "front tests: exit $?"; grep -E "FAILED|PASSED" "$OUT/tests_front.log" | tail -n 8
+  VARIANTS="main=ab58/run_main;front=ab58/run_front;pd=ab58/run_pd" ROUNDS=1 OUT=$OUT/ab \
+    CONFIGS=${SINK_CONFIGS:-"fm16k:--seqlen 16384 --heads 16 --kv-heads 2;fm16k_sink:--seqlen 16384 --heads 16 --kv-heads 2 --sink-blocks 1;m3_64k:--seqlen 65536;m3_64k_sink:--seqlen 65536 --sink-blocks 1"} \
+    timeout 380 bash scripts/gpu_ab.sh | tail -n 24
+  tar czf "$OUT/sinks2.tgz" -C "$OUT" tests_front.log ab 2>/dev/null
   exit 0
 fi
 if [ "$mode" = rule ]; then
