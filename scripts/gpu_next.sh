@@ -103,7 +103,15 @@ if [ "$mode" = sinks2 ]; then
   VARIANTS="main=ab58/run_main;front=ab58/run_front;pd=ab58/run_pd" ROUNDS=1 OUT=$OUT/ab \
     CONFIGS=${SINK_CONFIGS:-"fm16k:--seqlen 16384 --heads 16 --kv-heads 2;fm16k_sink:--seqlen 16384 --heads 16 --kv-heads 2 --sink-blocks 1;m3_64k:--seqlen 65536;m3_64k_sink:--seqlen 65536 --sink-blocks 1"} \
     timeout 380 bash scripts/gpu_ab.sh | tail -n 24
-  tar czf "$OUT/sinks2.tgz" -C "$OUT" tests_front.log ab 2>/dev/null
+  # Then, while the call has time (END_S, default 560 s), where fm16k's sink waits (ncu, ~1 min a run).
+  mkdir -p /tmp/bin_main && cp ab58/run_main /tmp/bin_main/flashmsa_run
+  for name in sink plain; do
+    [ $((${END_S:-560} - SECONDS)) -gt 90 ] || break
+    args="--heads 16 --kv-heads 2"; [ $name = sink ] && args+=" --sink-blocks 1"
+    BIN=/tmp/bin_main SEQ=16384 RUN_ARGS="$args" NAME=$name OUT=$OUT/stalls timeout 100 bash scripts/gpu_stalls.sh |
+      tail -n 8
+  done
+  tar czf "$OUT/sinks2.tgz" -C "$OUT" tests_front.log ab stalls 2>/dev/null
   exit 0
 fi
 if [ "$mode" = rule ]; then
