@@ -438,16 +438,19 @@ void check_deterministic_wgmma(const Shape& s, uint64_t seed, float kl_grad) {
 }
 
 // The per-head DET form with the int32 dq (DQ_ROWS, the default outside the token rows;
-// FLASHMSA_DET_DQ=kv makes any other route an error), on groups of 32 and of 4 heads (G = 1), on
-// groups of 16 with FLASHMSA_BWD_ROWS=0, and on fm16k's two groups per kv head (SHARED_KV).
+// FLASHMSA_DET_DQ=kv makes any other route an error), on groups of 32, of 4 and of 2 heads (G = 1;
+// K = 6 with the 2), on groups of 16 and 8 with FLASHMSA_BWD_ROWS=0, and on fm16k's two groups per kv
+// head (SHARED_KV).
 TEST(CudaBackward, DeterministicDqRowsPerHead) {
   GPUTEST_REQUIRE_DEVICE();
   gputest::ScopedEnv dq("FLASHMSA_DET_DQ", "kv");  // an error unless the int32 dq runs
   check_deterministic_wgmma(shape(32, 1, 1, 1, 128, 16, {1500, 3, 700}), 71, 0.8f);
   check_deterministic_wgmma(shape(16, 4, 4, 1, 128, 8, {1700, 90}), 72, 1.f);
+  check_deterministic_wgmma(shape(8, 4, 4, 1, 128, 6, {1000, 70, 520}), 75, 0.9f);
   check_deterministic_wgmma(shape(16, 2, 4, 1, 128, 16, {1500, 0, 260}), 73, 0.6f);
   gputest::ScopedEnv rows("FLASHMSA_BWD_ROWS", "0");
   check_deterministic_wgmma(shape(32, 2, 2, 1, 128, 16, {2200, 333}), 74, 0.6f);
+  check_deterministic_wgmma(shape(16, 2, 2, 1, 128, 16, {1300, 129}), 76, 0.7f);
 }
 
 TEST(CudaBackward, DeterministicWgmmaGroupOf16K16) {
