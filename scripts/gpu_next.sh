@@ -43,7 +43,8 @@
 #      below an L2 slice's same-line atomic rate.) Beside it, where the sink's warps wait, instruction by
 #      instruction, and the SMs' balance (a tail?) (~1 min each): SEQ=16384 RUN_ARGS="--heads 16 --kv-heads 2 --sink-blocks 1" NAME=sink
 #      bash scripts/gpu_stalls.sh, and NAME=plain without --sink-blocks; compare with scripts/sass_stalls.py.
-#   0d. list pieces at the front (branch exp/pieces-front, a2bc25f; compiled, CPU tests, not run): a part over
+#   0d. list pieces at the front (branch exp/pieces-front, also docs/prepared/pieces-front.patch against
+#      499c10e; compiled, CPU tests, not run): a part over
 #      the cap goes whole to the overflow slots, the default cap with chunks is half a chunk; host model: the
 #      H200's m3/64k sink +18% -> +0.4%, the H100's +3.8% -> +0.4% at 2048. With 0c in one call (ab58 holds
 #      run_main, run_pd, run_front, tests_front; ~7 min): `bash scripts/gpu_next.sh sinks2`, carry ["ab58"].
