@@ -14,40 +14,34 @@
 #                                     e.g. with
 #     bash scripts/build_variants.sh ab21 main=main x=exp/some-branch:tests
 #     and carry ["ab21"]: AB_DIR=ab21 TEST_FILTER='CudaBackward.*:CudaGraph.*' bash scripts/gpu_next.sh ab
-#   bash scripts/gpu_next.sh new      the fifty-seventh session's unrun changes (list pieces, overflow form;
-#                                     the per-head int32 deterministic dq): their tests and A/Bs, one call.
 #   bash scripts/gpu_next.sh rule     HEAD's chunk rule (T / 8 from 16k to 32k tokens on the H200, 2ee1f4c) beside
 #                                     the previous default: carry ["scratch-gpu", "scratch-main"] (HEAD's bundle,
 #                                     and 7487f70's in scratch-main), END_S=<limit>; an A/B at m3 16k / 24k / 32k
 #                                     / 64k, gqa8 16k (not yet run with chunks on an H200) and fm16k, checked,
 #                                     then HEAD's benchmark in the time left (the next record). ~4-5 min.
 #                                     RULE_CONFIGS (gpu_ab.sh's CONFIGS) narrows the A/B for a short call.
+#   bash scripts/gpu_next.sh sinks2   the sink work of the fifty-eighth session (0c, 0d below; carry ["ab58"]).
 # Next (as of the fifty-eighth session, whose device calls got one H100 again):
 #   0. `gpu_next.sh new` ran on that H100 (bench/results/h100_f561bec_new): the overflow pieces cost N(0, 1)
 #      nothing at 8192, DQ_ROWS took fm16k's deterministic backward 10.58 -> 3.90 ms. Both are defaults since
 #      1ae94b7 (pieces of 8192 in the fast backward with token chunks or SHARED_KV; DQ_ROWS on every wgmma
 #      shape): their H200 run is the record below (its GPU suite runs the new defaults' tests). The m3 sinks
-#      on the H200's T / 4 chunks: `NEW_CONFIGS="m3_64k:--seqlen 65536" bash scripts/gpu_next.sh new` (the
-#      host model: +17% left at 8192, +0.6% at 2048).
-#   0c. the sink's residual cost: with its list cut (pieces), a sink block still costs the fast backward +13-15%
-#      at fm16k and m3/32k, +21% at m3/64k on the H100 (where the chunks cut the list already), while the
-#      forward's KL value (no dkp) shows none. Hypothesis: dkp's per-tile fp32 REDs all land on the sink's
-#      128 key rows. Probe (docs/prepared/probe-dkp-sink.patch, branch exp/probe-dkp-sink: the fast form's
-#      dkp REDs left out, wrong dkp by design): `bash scripts/build_variants.sh ab58 main=main
-#      pd=exp/probe-dkp-sink`, carry ["ab58"], then
-#      AB_DIR=ab58 CHECK=0 ROUNDS=2 CONFIGS="fm16k:--seqlen 16384 --heads 16 --kv-heads 2;fm16k_sink:--seqlen
-#      16384 --heads 16 --kv-heads 2 --sink-blocks 1;m3_64k:--seqlen 65536;m3_64k_sink:--seqlen 65536
-#      --sink-blocks 1" bash scripts/gpu_next.sh ab   (~4 min). If pd's sink gap (sink - N(0, 1)) is near
-#      zero where main's is not, the REDs are the cause: spread them (e.g. per-CTA dkp in shared memory for
-#      long lists) and re-time. (Against it: ~256 REDs a 25 us tile period on each of the sink's lines is far
-#      below an L2 slice's same-line atomic rate.) Beside it, where the sink's warps wait, instruction by
-#      instruction, and the SMs' balance (a tail?) (~1 min each): SEQ=16384 RUN_ARGS="--heads 16 --kv-heads 2 --sink-blocks 1" NAME=sink
-#      bash scripts/gpu_stalls.sh, and NAME=plain without --sink-blocks; compare with scripts/sass_stalls.py.
+#      on the H200's T / 4 chunks: `sinks2` below (the host model: +17% left at 8192 as landed, +0.4% with
+#      the front pieces). (The `new` mode that ran it is gone: git show b181320:scripts/gpu_next.sh.)
+#   0c. the sink's residual cost: with its list cut (pieces), a sink block still costs the fast backward +13-17%
+#      at fm16k, +21% at m3/64k on the H100, while the forward's KL value (no dkp) shows none. At fm16k the
+#      tested hypothesis is dkp's per-tile fp32 REDs all landing on the sink's 128 key rows (against it: ~256
+#      REDs a 25 us tile period on each line is far below an L2 slice's same-line rate): probe pd
+#      (docs/prepared/probe-dkp-sink.patch, branch exp/probe-dkp-sink: the fast form's dkp REDs left out,
+#      wrong dkp by design), and ncu's stalls and SM balance with and without the sink. If pd's sink gap
+#      (sink - N(0, 1)) is near zero where main's is not, the REDs are the cause.
 #   0d. list pieces at the front (branch exp/pieces-front, also docs/prepared/pieces-front.patch against
-#      499c10e; compiled, CPU tests, not run): a part over
-#      the cap goes whole to the overflow slots, the default cap with chunks is half a chunk; host model: the
-#      H200's m3/64k sink +18% -> +0.4%, the H100's +3.8% -> +0.4% at 2048. With 0c in one call (ab58 holds
-#      run_main, run_pd, run_front, tests_front; ~7 min): `bash scripts/gpu_next.sh sinks2`, carry ["ab58"].
+#      499c10e; compiled, CPU tests, not run): a part over the cap goes whole to the overflow slots, the
+#      default cap with chunks is half a chunk; host model: the H200's m3/64k sink +18% -> +0.4%, the H100's
+#      +3.8% -> +0.4% at 2048. If its tests pass and N(0, 1) loses nothing, land it.
+#      0c and 0d in one call (~7 min): `bash scripts/gpu_next.sh sinks2`, carry ["ab58"] (run_main, run_pd,
+#      run_front, tests_front; if ab58 is gone: bash scripts/build_variants.sh ab58 main=main
+#      pd=exp/probe-dkp-sink front=exp/pieces-front:tests, or apply the two patches on branches).
 #   (fifty-third session, which swept the backward's chunks on an H200: the H100's T / 16 loses there at
 #   64k, T / 8 gains from 16k to 32k, now the H200's default, measured with forced counts only:)
 #   1. ONLY_H200=1 END_S=560 bash scripts/gpu_next.sh rule (timeout_s 580).
@@ -55,6 +49,7 @@
 #      (fifty-fifth session: none again: six of eleven starts found no machine, five got H100s; one ran HEAD's benchmark.)
 #      (fifty-sixth session: ten starts found no machine of either kind; the eleventh got an H100, used for the pieces.)
 #      (fifty-seventh session: paused at first; then two starts found none, the third got an H100, used for the pieces.)
+#      (fifty-eighth session: two starts found none; two calls got H100s: the A/Bs behind 1ae94b7 and its suite.)
 #   2. the record's other stages on the H200 with HEAD's bundle (tests, sanitizer, python, main, scale).
 #   For an A/B of builds, use the ab mode
 #   above. A call that must run on an H200 checks the card first (a call for nvidia-h200 may get an H100):
@@ -64,31 +59,6 @@ cd "$(dirname "$0")/.."
 mode=${1:-record}
 if [ "$mode" = record ]; then
   exec bash scripts/gpu_check.sh  # its stages: $STAGES, else all
-fi
-if [ "$mode" = new ]; then
-  # The fifty-seventh session's unrun changes in one call (~8 min; carry ["scratch-gpu"]): their GPU
-  # tests, then the list pieces at N = 0 / 2048 / 8192 (sinks 0 / 1; fm16k also with the forward's KL
-  # value and deterministic) and the per-head int32 dq (DQ_ROWS) against the query-major dq, fm16k
-  # deterministic. NEW_CONFIGS narrows the pieces runs (default fm16k, m3/32k and m3/64k).
-  OUT=${OUT:-/tmp/flashmsa-next}
-  mkdir -p "$OUT"
-  for f in scratch-gpu/*.xz; do [ -f "$f" ] && [ ! -x "${f%.xz}" ] && xz -d -k -T8 "$f" && chmod +x "${f%.xz}"; done
-  nvidia-smi --query-gpu=name --format=csv,noheader
-  timeout 200 scratch-gpu/flashmsa_gpu_tests --gtest_brief=1 \
-    --gtest_filter='CudaBackward.ListPieces:CudaBackward.DeterministicDq*:CudaBackward.KlValue*' \
-    > "$OUT/new_tests.log" 2>&1
-  echo "new tests: exit $?"; grep -E "FAILED|PASSED" "$OUT/new_tests.log" | tail -n 8
-  # The host model (scripts/model_list_pieces.py) puts a sink's cost without pieces at +40% of the backward
-  # at m3/64k on the H200 (T / 4 chunks), +18% at 32k (T / 8), and the cap that removes it near 1-2k tokens.
-  CONFIGS=${NEW_CONFIGS:-"fm16k:--seqlen 16384 --heads 16 --kv-heads 2;m3_32k:--seqlen 32768;m3_64k:--seqlen 65536"} \
-    PIECES="0 2048 8192" OUT=$OUT/sinks timeout 300 bash scripts/gpu_sinks.sh
-  CONFIGS="fm16k:--seqlen 16384 --heads 16 --kv-heads 2" MODES="--forward-kl;--deterministic" PIECES="0 2048" \
-    OUT=$OUT/sinks_modes timeout 120 bash scripts/gpu_sinks.sh
-  VARIANTS="q=scratch-gpu/flashmsa_run;kv=scratch-gpu/flashmsa_run,FLASHMSA_DET_DQ=kv" \
-    CONFIGS="fm16k_det:--seqlen 16384 --heads 16 --kv-heads 2 --deterministic" ROUNDS=2 OUT=$OUT/dq \
-    timeout 120 bash scripts/gpu_ab.sh | tail -n 8
-  tar czf "$OUT/new.tgz" -C "$OUT" new_tests.log sinks sinks_modes dq 2>/dev/null
-  exit 0
 fi
 if [ "$mode" = sinks2 ]; then
   # 0c + 0d (carry ["ab58"]): the front pieces' GPU tests, then main / front / pd (no fast dkp REDs: wrong
