@@ -306,8 +306,9 @@ __device__ __forceinline__ void ss_tokens_by_keys(float (&acc)[32], uint32_t ds_
 // point (factor fx[3]), dkp as fp32 partials (fa.dkp_per_head) or int64 (fx[4]). Its head step retires dV / dK,
 // releases the stage and issues the next step's S^T at the same single call site as the full
 // kernel, with nothing to wait for behind it.
-// DQ_ROWS (DET, RM = 0 only; FLASHMSA_DET_DQ=kv on per-head shapes): the per-head DET form computes
-// dQ and dqp as the token-row DET form below does, in the per-head tiles' staging.
+// DQ_ROWS (DET, RM = 0 only; the per-head shapes' default, not with FLASHMSA_DET_DQ=query): the
+// per-head DET form computes dQ and dqp as the token-row DET form below does, in the per-head tiles'
+// staging.
 // DET with token rows (RM > 0) computes dQ and dqp as the fast form does, times int32 fixed-point
 // factors (dQ: each row's own, fa.row_fx, loaded with the stage; dqp: fx[6]), and stages them as
 // int32 in the fast form's layout (each token's RM dQ rows one bulk reduce-add, .add.s32, dqp per

@@ -12,8 +12,8 @@
 //      group lies inside one kv head, one attn_bwd_kernel (FOLD = true) does both (see the kernels);
 //      when D = 128 (and groups of m >= 2 heads), the wgmma version of that folded kernel does
 //      (backward_wgmma.cuh; FLASHMSA_BACKWARD_PATH=mma forces the old one), in deterministic mode
-//      only with top_k <= 32 (its DET form: with token rows, or FLASHMSA_DET_DQ=kv on the per-head
-//      shapes, it computes dq as int32 fixed point, else beside the query-major dq); with G > 1 groups per kv head its
+//      only with top_k <= 32 (its DET form computes dq as int32 fixed point, or with
+//      FLASHMSA_DET_DQ=query runs beside the query-major dq); with G > 1 groups per kv head its
 //      SHARED_KV form adds dk/dv into the same accumulators as the mma kernel;
 //   5. accumulators -> bf16, the KL sum -> kl.
 // launch_kl_value (the forward's KL value, kl_value.cuh) runs steps 2, 3 (student lse only) and
@@ -22,11 +22,10 @@
 // with per-tensor power-of-two factors derived on the device from bounds on each gradient. With
 // top_k <= 32 it computes dq instead with the query-major, atomic-free dq_kernel
 // (backward_dq.cu) and attn_bwd_kernel (or the wgmma kernel's per-head DET form) skips dq: dq's
-// int64 accumulator, 4x the size of q and the largest one, is not allocated; on the token-row
-// shapes (groups of 8 / 16 heads, one per kv head; the other wgmma shapes with FLASHMSA_DET_DQ=kv)
-// the wgmma DET form computes dq KV-major instead, as int32 fixed point (at most top_k <= 32 adds per element: 30 bits under the bound leave room
-// for their roundings) through the fast form's bulk reduce-adds, in an accumulator of its size;
-// dqp likewise.
+// int64 accumulator, 4x the size of q and the largest one, is not allocated; on the wgmma shapes
+// (unless FLASHMSA_DET_DQ=query) the wgmma DET form computes dq KV-major instead, as int32 fixed
+// point (at most top_k <= 32 adds per element: 30 bits under the bound leave room for their
+// roundings) through the fast form's bulk reduce-adds, in an accumulator of its size; dqp likewise.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -340,14 +339,13 @@ int backward_chunk_tokens(int64_t T, bool det) {
 constexpr int kDefaultPieceTokens = 8192;
 struct PieceSetting {
   int tokens = 0;
-  bool forced = false;  // FLASHMSA_BWD_PIECE > 0
-  bool set = false;     // FLASHMSA_BWD_PIECE present
+  bool set = false;  // FLASHMSA_BWD_PIECE present
+  bool forced() const { return set && tokens > 0; }
 };
 PieceSetting backward_piece_tokens() {
   PieceSetting s;
   if (const char* v = std::getenv("FLASHMSA_BWD_PIECE")) {
     s.tokens = std::max(0, std::atoi(v));
-    s.forced = s.tokens > 0;
     s.set = true;
   }
   return s;
@@ -900,7 +898,7 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   PieceSetting piece_setting = backward_piece_tokens();
   if (!piece_setting.set && !det && (!main_owned || n_chunks > 0)) piece_setting.tokens = kDefaultPieceTokens;
   const bool use_pieces = piece_setting.tokens > 0 && takes_wgmma && !alternate_waves(p);
-  if (piece_setting.forced && !use_pieces)
+  if (piece_setting.forced() && !use_pieces)
     throw Error("flashmsa: fused_backward: FLASHMSA_BWD_PIECE is set, but list pieces do not apply (argument 'q': "
                 "the wgmma backward, not the dense warm-up)");
   const bool dkv_in_acc = !main_owned || n_chunks > 0 || use_pieces;
