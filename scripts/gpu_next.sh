@@ -36,7 +36,7 @@
 #      wrong dkp by design), and ncu's stalls and SM balance with and without the sink. If pd's sink gap
 #      (sink - N(0, 1)) is near zero where main's is not, the REDs are the cause.
 #   0d. list pieces at the front (branch exp/pieces-front, also docs/prepared/pieces-front.patch against
-#      499c10e; compiled, CPU tests, not run): a part over the cap goes whole to the overflow slots, the
+#      2e5e320; compiled, CPU tests, not run): a part over the cap goes whole to the overflow slots, the
 #      default cap with chunks is half a chunk; host model: the H200's m3/64k sink +18% -> +0.4%, the H100's
 #      +3.8% -> +0.4% at 2048. If its tests pass and N(0, 1) loses nothing, land it.
 #      0c and 0d in one call (~7 min): `bash scripts/gpu_next.sh sinks2`, carry ["ab58"] (run_main, run_pd,
