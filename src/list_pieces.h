@@ -22,9 +22,17 @@ FLASHMSA_HOST_DEVICE inline int list_piece_begin(int begin, int len, int count, 
   return begin + static_cast<int>(static_cast<int64_t>(len) * j / count);
 }
 
-// The most pieces past each part's first that a proxy group's list parts, holding `entries` entries in
-// all, can make: a part's ceil(len / cap) - 1 is at most floor(len / cap), and those floors sum to at most
-// floor(entries / cap). The overflow grid's extent per group (each part's first piece is its own CTA's).
-inline int64_t max_overflow_pieces(int64_t entries, int cap) { return entries / cap; }
+// The records a part of len entries puts in the overflow table: none when one piece holds it, else all
+// its pieces (its own (chunk, block) CTA then exits), so that a cut part's pieces start with the first
+// CTAs of the group's grid range instead of one of them waiting for the part's place in grid order.
+FLASHMSA_HOST_DEVICE inline int list_piece_overflow(int len, int cap) {
+  const int count = list_piece_count(len, cap);
+  return count > 1 ? count : 0;
+}
+
+// The most overflow records that a proxy group's list parts, holding `entries` entries in all, can make:
+// a cut part (len > cap) makes ceil(len / cap) <= floor(len / cap) + 1 <= 2 floor(len / cap), and those
+// floors sum to at most floor(entries / cap). The overflow grid's extent per group.
+inline int64_t max_overflow_pieces(int64_t entries, int cap) { return 2 * (entries / cap); }
 
 }  // namespace flashmsa

@@ -1,6 +1,6 @@
 // How the wgmma backward (and its KL-only form) cuts key blocks' token lists into pieces (src/list_pieces.h,
 // FLASHMSA_BWD_PIECE): every entry in exactly one piece, no piece over the cap, the fewest pieces, sizes
-// within one of each other, and the overflow grid's bound never below the later pieces a group makes. The GPU suite
+// within one of each other, and the overflow grid's bound never below the records a group makes. The GPU suite
 // (CudaBackward.ListPieces) covers the kernels' results with pieces.
 #include <gtest/gtest.h>
 
@@ -14,6 +14,7 @@ namespace {
 
 using flashmsa::list_piece_begin;
 using flashmsa::list_piece_count;
+using flashmsa::list_piece_overflow;
 using flashmsa::max_overflow_pieces;
 
 TEST(ListPieces, CoverEachEntryOnceWithinTheCap) {
@@ -42,8 +43,8 @@ TEST(ListPieces, EmptyPartsMakeNone) {
   EXPECT_EQ(list_piece_count(-3, 2048), 0);
 }
 
-// Random lists, a sink's (every token) among them: the pieces past each part's first never exceed the
-// bound the overflow grid is sized by.
+// Random lists, a sink's (every token) among them: the overflow records (every piece of each part over the
+// cap) never exceed the bound the overflow grid is sized by.
 TEST(ListPieces, OverflowBoundHoldsTheGroupsPieces) {
   std::mt19937 rng(7);
   for (int trial = 0; trial < 200; ++trial) {
@@ -54,13 +55,21 @@ TEST(ListPieces, OverflowBoundHoldsTheGroupsPieces) {
       l = rng() % 4 == 0 ? 0 : static_cast<int>(rng() % 9000);
       if (rng() % 50 == 0) l = 65536;
       entries += l;
-      overflow += std::max(list_piece_count(l, cap) - 1, 0);
+      overflow += list_piece_overflow(l, cap);
     }
     EXPECT_LE(overflow, max_overflow_pieces(entries, cap)) << "trial " << trial;
   }
-  // The bound is tight for one part one entry over a multiple of the cap.
-  EXPECT_EQ(max_overflow_pieces(601, 100), 6);
-  EXPECT_EQ(list_piece_count(601, 100) - 1, 6);
+  // The bound is tight for parts one entry over the cap: two pieces each.
+  EXPECT_EQ(list_piece_overflow(101, 100), 2);
+  EXPECT_EQ(max_overflow_pieces(3 * 101, 100), 6);
+}
+
+// A part within the cap stays with its own CTA (no records); a longer one goes whole to the overflow table.
+TEST(ListPieces, OnlyCutPartsOverflow) {
+  EXPECT_EQ(list_piece_overflow(0, 100), 0);
+  EXPECT_EQ(list_piece_overflow(100, 100), 0);
+  EXPECT_EQ(list_piece_overflow(101, 100), 2);
+  EXPECT_EQ(list_piece_overflow(65536, 8192), 8);
 }
 
 }  // namespace

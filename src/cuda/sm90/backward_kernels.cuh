@@ -410,10 +410,11 @@ struct FoldArgs {
   // and deterministic (not the own-block pass), and its KL_ONLY form (launch_kl_value: no chunks,
   // kl_slot0 = nkeys). A list holds every token that selected its block: an attention sink's holds
   // every token of the sequence, and in one CTA it outlasted the launch. So each list part (its
-  // token chunk's, with chunks) is cut into near-equal pieces of at most piece_cap tokens: the
-  // part's own (chunk, block) CTA keeps the first, and the others (the overflow pieces) go to
-  // piece_stride CTAs per group placed FIRST in the group's grid range (the longest lists' pieces
-  // start early; with no part over the cap they only read an empty record). Grid x runs over
+  // token chunk's, with chunks) longer than piece_cap tokens is cut into near-equal pieces of at most
+  // that, all of which (the overflow pieces) go to piece_stride CTAs per group placed FIRST in the
+  // group's grid range, and the part's own (chunk, block) CTA exits: the longest lists' pieces start
+  // early (where the own CTA kept the first piece, the last chunk's came late and set the launch's
+  // tail). With no part over the cap the slots only read an empty record. Grid x runs over
   // (slot, group in the sweep): slot r < piece_stride takes record pieces[p piece_stride + r]
   // (begin = end: nothing, it returns) and writes its KL share to kl_part[kl_slot0 + p piece_stride
   // + r]; slot r >= piece_stride is the usual CTA of (chunk, block) r - piece_stride. Every CTA then

@@ -385,11 +385,11 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   const int S = kSweep ? fa.sweep_groups : Hp;
   const int gx = blockIdx.x / S, p = (kSweep ? static_cast<int>(blockIdx.y) * S : 0) + blockIdx.x % S;
   // List pieces (FoldArgs::pieces, a cap of fa.piece_cap tokens), every form: the first
-  // fa.piece_stride CTAs of each group's grid range take the overflow table's pieces (the parts'
-  // second and later pieces); the others are the usual (chunk, block) CTAs, each keeping its part's
-  // first piece. The overflow record is addressed from %ctaid through an opaque move each time: the
-  // producer loads its range again after its register drop rather than carry it from here (on 24
-  // registers, carried, it spilled in four forms).
+  // fa.piece_stride CTAs of each group's grid range take the overflow table's pieces (every piece of
+  // the parts longer than the cap); the others are the usual (chunk, block) CTAs, which take their
+  // part when it is not cut. The overflow record is addressed from %ctaid through an opaque move each
+  // time: the producer loads its range again after its register drop rather than carry it from here
+  // (on 24 registers, carried, it spilled in four forms).
   const bool pieces = fa.pieces != nullptr;
   auto overflow_record = [&]() -> const int* {  // null: a main CTA
     unsigned cx, cy;
@@ -438,10 +438,9 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       if (bc.begin >= bc.end) return;  // CTA-uniform; the accumulators are zeroed, kl_part too
     }
   }
-  if (pieces && !over) {  // a main CTA keeps its part's first piece, the overflow CTAs the rest
-    const int len = bc.end - bc.begin, count = list_piece_count(len, fa.piece_cap);
-    if (count > 1) bc.end = list_piece_begin(bc.begin, len, count, 1);
-  }
+  // A main CTA whose part the pieces cut leaves all of it to the overflow CTAs (CTA-uniform; its KL share
+  // slot is zeroed, dK / dV go through the accumulators with pieces).
+  if (pieces && !over && bc.end - bc.begin > fa.piece_cap) return;  // list_piece_overflow > 0
   const int ntiles = (bc.end - bc.begin + kTileTok - 1) / kTileTok;
   const int steps = ntiles * (m + 1);
 

@@ -336,7 +336,16 @@ int backward_chunk_tokens(int64_t T, bool det) {
 // N(0, 1) 3.166 -> 3.167 ms, with a sink block 6.296 -> 3.703; m3/64k N(0, 1) 38.31 -> 38.28. The
 // deterministic backward keeps none (its pieces put dkp in int64: fm16k +6-9%), nor does the KL-only
 // form (fm16k's KL value +3.5% at 8192 in the first form; the overflow form not yet timed there).
+// With token chunks a part holds at most a chunk, and a sink's part is the whole chunk: the default cap
+// is then half a chunk (512 to 8192 tokens), so that the sink's parts run as two pieces each among the
+// first CTAs of the group's range. Host model (scripts/model_list_pieces.py --front, token-row tiles):
+// a sink at m3/64k costs the H200 (T / 4 chunks) +42% without pieces, +0.4% at 8192; the H100 (T / 16)
+// +9% without, +0.4% at 2048; m3/32k on the H200 (T / 8) +20% without, +1.2% at 2048; N(0, 1) selections
+// +0.1-0.7% from the cuts (measured on an H100, cap 2048 at m3/64k: 38.24 vs 38.31 ms, the earlier form).
 constexpr int kDefaultPieceTokens = 8192;
+int default_piece_tokens(int n_chunks, int chunk_tokens) {
+  return n_chunks > 0 ? std::clamp(chunk_tokens / 2, 512, kDefaultPieceTokens) : kDefaultPieceTokens;
+}
 struct PieceSetting {
   int tokens = 0;
   bool set = false;  // FLASHMSA_BWD_PIECE present
@@ -390,8 +399,8 @@ __global__ void own_bounds_kernel(bwd::Index ix, int64_t n_lists, int32_t* __res
 
 // The overflow pieces of proxy group p = blockIdx.x (FoldArgs::pieces): its lists' parts in the
 // grid's order (chunk, key block g), each part [b, e) (chunk_bounds, past own_end with the own-block
-// pass; the whole list without chunks) cut into ceil((e - b) / cap) near-equal pieces, of which the
-// part's own CTA keeps the first and the table lists the others. One CTA per group: a running
+// pass; the whole list without chunks) longer than cap cut into ceil((e - b) / cap) near-equal pieces,
+// all listed in the table (the part's own CTA exits: list_piece_overflow). One CTA per group: a running
 // block-wide scan of the overflow counts over its NB x max(nc, 1) parts (a few thousand at m3/64k)
 // places each part's pieces; the slots past the last get empty records, so a CTA learns from its
 // record alone whether it has work.
@@ -423,13 +432,12 @@ __global__ void __launch_bounds__(1024) build_list_pieces_kernel(bwd::Index ix, 
         e = ix.seg_start[list + 1];
       }
     }
-    const int len = max(e - b, 0), count = list_piece_count(len, cap), extra = max(count - 1, 0);
+    const int len = max(e - b, 0), count = list_piece_count(len, cap), extra = list_piece_overflow(len, cap);
     int first = 0, total = 0;
     Scan(scan).ExclusiveSum(extra, first, total);
     first += running;
-    for (int j = 1; j < count; ++j)
-      group[first + j - 1] =
-          make_int4(g, list_piece_begin(b, len, count, j), list_piece_begin(b, len, count, j + 1), 0);
+    for (int j = 0; j < extra; ++j)
+      group[first + j] = make_int4(g, list_piece_begin(b, len, count, j), list_piece_begin(b, len, count, j + 1), 0);
     __syncthreads();  // every thread has read `running` and the scan storage
     if (threadIdx.x == 0) running += total;
     __syncthreads();
@@ -743,8 +751,8 @@ KlValuePlan plan_kl_value(const MsaParams& p, cudaStream_t stream) {
   kp.o_part_max = own ? kp.ws.add(kp.sel.n_entries * sizeof(float)) : kp.sel.o_keys_in;
   kp.o_part_sum = own ? kp.ws.add(kp.sel.n_entries * sizeof(float)) : kp.sel.o_vals_in;
   kp.o_lse_s = kp.ws.add(static_cast<size_t>(p.Hp) * p.T * sizeof(float));
-  // List pieces as in the backward (FLASHMSA_BWD_PIECE): a key block's list past its first piece goes
-  // to overflow CTAs, so that an attention sink's list does not hold one CTA for the whole sequence. Not with the
+  // List pieces as in the backward (FLASHMSA_BWD_PIECE): a key block's list longer than the cap goes in
+  // pieces to overflow CTAs, so that an attention sink's list does not hold one CTA for the whole sequence. Not with the
   // alternating waves of the dense warm-up (fa.wave_ctas counts waves along the grid's CTAs, which
   // the pieces would reorder); there the variable is ignored rather than refused, so that the check
   // cannot fail after the forward has run.
@@ -896,7 +904,8 @@ void launch_fused_backward(const MsaParams& p, cudaStream_t stream) {
   // dense warm-up (its alternating waves); dk / dv then go through the accumulators (deterministic:
   // int64 fixed point, as with token chunks).
   PieceSetting piece_setting = backward_piece_tokens();
-  if (!piece_setting.set && !det && (!main_owned || n_chunks > 0)) piece_setting.tokens = kDefaultPieceTokens;
+  if (!piece_setting.set && !det && (!main_owned || n_chunks > 0))
+    piece_setting.tokens = default_piece_tokens(n_chunks, chunk_tokens);
   const bool use_pieces = piece_setting.tokens > 0 && takes_wgmma && !alternate_waves(p);
   if (piece_setting.forced() && !use_pieces)
     throw Error("flashmsa: fused_backward: FLASHMSA_BWD_PIECE is set, but list pieces do not apply (argument 'q': "
