@@ -507,7 +507,7 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_kernel(
     const int i0 = bc.begin + (it / nh) * kTileTok, h = h0 + it % nh;
     const int n = min(kTileTok, bc.end - i0);
     const int row = threadIdx.x >> 2, part = threadIdx.x & 3;
-    const int t = row < n ? __ldg(ix.vals + i0 + row) / ix.K : -1;
+    const int t = row < n ? ix.token_of(__ldg(ix.vals + i0 + row)) : -1;
     const bool ok = t >= 0;
     const int64_t at = (static_cast<int64_t>(ok ? t : 0) * H + h) * D;
     const uint32_t qs = smem_u32(sQ + st * kTileBytes), os = smem_u32(sdO + st * kTileBytes);
@@ -799,7 +799,7 @@ __global__ void __launch_bounds__(256, 1) kl_bwd_kernel(
       load_rows_async<D, 256>(k_base, kBlk, k, [&](int rr) { return key_row(k, Hkv, kvh, rr); });
     }
     const int row = threadIdx.x >> 2, part = threadIdx.x & 3;
-    const int t = row < n ? __ldg(ix.vals + i0 + row) / ix.K : -1;
+    const int t = row < n ? ix.token_of(__ldg(ix.vals + i0 + row)) : -1;
     const bool ok = t >= 0;
     const int64_t tt = ok ? t : 0;
     constexpr int kPer = D / 32;
