@@ -14,8 +14,7 @@ mkdir -p "$OUT"
 RUN="$BIN/flashmsa_run --device cuda --seqlen $SEQ --iters 1 --check-tokens 0 --quiet ${RUN_ARGS:-}"
 ncu --clock-control none -k regex:"$KERNEL" --launch-skip ${SKIP:-0} --launch-count 1 \
   --section WarpStateStats --section SourceCounters \
-  --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
-  --metrics sm__cycles_active.avg,sm__cycles_active.max,sm__cycles_elapsed.max,gpu__time_duration.sum \
+  --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,sm__cycles_active.avg,sm__cycles_active.max,sm__cycles_elapsed.max,gpu__time_duration.sum \
   --import-source no -o "$OUT/$NAME" $RUN > "$OUT/${NAME}_ncu.log" 2>&1
 ncu -i "$OUT/$NAME.ncu-rep" --page details --print-details all > "$OUT/${NAME}_details.txt" 2>&1
 ncu -i "$OUT/$NAME.ncu-rep" --page source --csv --print-source sass > "$OUT/${NAME}_sass.csv" 2>&1

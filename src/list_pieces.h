@@ -5,11 +5,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define FLASHMSA_HOST_DEVICE __host__ __device__
-#else
-#define FLASHMSA_HOST_DEVICE
-#endif
+#include "host_device.h"
 
 namespace flashmsa {
 

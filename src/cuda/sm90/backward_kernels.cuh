@@ -57,13 +57,13 @@ __device__ __forceinline__ void store_row_partials(const float (&s)[16][4], cons
                                                    const BlockCtx& bc, int p, int64_t TK, float scale_p,
                                                    float* __restrict__ part_max, float* __restrict__ part_sum) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g4 = lane >> 2, c4 = lane & 3;
-  const int t0 = vals[0] >= 0 ? static_cast<int>(vals[0] / ix.K - bc.seq_start) : -1;
+  const int t0 = vals[0] >= 0 ? static_cast<int>(ix.token_of(vals[0]) - bc.seq_start) : -1;
   const bool all_visible = t0 >= bc.key0 + kBlk - 1;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = 16 * warp + g4 + 8 * half;
     const int v = vals[row];
-    const int tpos = v >= 0 ? static_cast<int>(v / ix.K - bc.seq_start) : -1;
+    const int tpos = v >= 0 ? static_cast<int>(ix.token_of(v) - bc.seq_start) : -1;
     const float2 ms = all_visible ? row_max_sum<false>(s, half, 0, scale_p)
                                   : row_max_sum<true>(s, half, tpos - bc.key0 - 2 * c4, scale_p);
     if (c4 == 0 && v >= 0) {
@@ -118,7 +118,7 @@ __device__ __forceinline__ void proxy_lse_piece(const bf16* __restrict__ qp, con
     const int n = min(kTileTok, bc.end - i0);
     if (threadIdx.x < kTileTok) sVal[buf * kTileTok + threadIdx.x] = threadIdx.x < n ? ix.vals[i0 + threadIdx.x] : -1;
     load_rows(qp_base + buf * kTileTok * RB, std::integral_constant<int, kTileTok>{}, qp, [&](int r) -> const bf16* {
-      return r < n ? qp + (static_cast<int64_t>(ix.vals[i0 + r] / ix.K) * Hp + p) * D : nullptr;
+      return r < n ? qp + (static_cast<int64_t>(ix.token_of(ix.vals[i0 + r])) * Hp + p) * D : nullptr;
     });
     cp_async_commit();
   };
@@ -508,7 +508,7 @@ __global__ void __launch_bounds__(256, 1) attn_bwd_kernel(
     const int i0 = bc.begin + (it / nh) * kTileTok, h = h0 + it % nh;
     const int n = min(kTileTok, bc.end - i0);
     const int row = threadIdx.x >> 2, part = threadIdx.x & 3;
-    const int t = row < n ? __ldg(ix.vals + i0 + row) / ix.K : -1;
+    const int t = row < n ? ix.token_of(__ldg(ix.vals + i0 + row)) : -1;
     const bool ok = t >= 0;
     const int64_t at = (static_cast<int64_t>(ok ? t : 0) * H + h) * D;
     const uint32_t qs = smem_u32(sQ + st * kTileBytes), os = smem_u32(sdO + st * kTileBytes);
@@ -800,7 +800,7 @@ __global__ void __launch_bounds__(256, 1) kl_bwd_kernel(
       load_rows_async<D, 256>(k_base, kBlk, k, [&](int rr) { return key_row(k, Hkv, kvh, rr); });
     }
     const int row = threadIdx.x >> 2, part = threadIdx.x & 3;
-    const int t = row < n ? __ldg(ix.vals + i0 + row) / ix.K : -1;
+    const int t = row < n ? ix.token_of(__ldg(ix.vals + i0 + row)) : -1;
     const bool ok = t >= 0;
     const int64_t tt = ok ? t : 0;
     constexpr int kPer = D / 32;

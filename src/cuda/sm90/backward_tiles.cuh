@@ -10,6 +10,7 @@
 
 #include "common/bf16.cuh"
 #include "common/mma.cuh"
+#include "token_divider.h"
 
 namespace flashmsa::cuda::bwd {
 
@@ -121,6 +122,14 @@ struct Index {
   const int32_t* vals;       // [Hp*T*K] t*K + slot, grouped by (p, g), ascending t inside a group
   int B = 0, NB = 0, K = 0;
   int64_t T = 0;
+  TokenDivider k_div;  // set_top_k: token_of without a division (src/token_divider.h)
+
+  __host__ void set_top_k(int k) {
+    K = k;
+    k_div = TokenDivider::make(k);
+  }
+  // The token t of an entry t K + slot (entry >= 0).
+  __device__ __forceinline__ int token_of(int entry) const { return k_div(entry); }
 };
 
 // What a CTA working on (proxy head p, global key block g) needs to know about its block.

@@ -513,7 +513,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
     // One register for either direction (the producer runs on 24): entry |flip - li| is li
     // ascending (flip 0) and bc.begin + bc.end - 1 - li descending.
     const int flip = fa.wave_ctas > 0 && (blockIdx.x / fa.wave_ctas) % 2 == 1 ? 0 : bc.begin + bc.end - 1;
-    auto list_token = [&](int li) { return __ldg(ix.vals + abs(flip - li)) / ix.K; };
+    auto list_token = [&](int li) { return ix.token_of(__ldg(ix.vals + abs(flip - li))); };
     auto token_of_step = [&](int hi_, int i0_) {
       const int li = hi_ < m ? i0_ + hi_ * (kTileTok / kR) + row / kR : i0_ + row;
       return li < bc.end ? list_token(li) : -1;

@@ -531,7 +531,7 @@ bwd::Index make_index(const MsaParams& p, const SelectionIndexPlan& sel, const W
   ix.vals = sel.vals(ws);
   ix.B = p.B;
   ix.NB = sel.NB;
-  ix.K = p.top_k;
+  ix.set_top_k(p.top_k);
   ix.T = p.T;
   return ix;
 }
