@@ -20,72 +20,28 @@
 #                                     / 64k, gqa8 16k (not yet run with chunks on an H200) and fm16k, checked,
 #                                     then HEAD's benchmark in the time left (the next record). ~4-5 min.
 #                                     RULE_CONFIGS (gpu_ab.sh's CONFIGS) narrows the A/B for a short call.
-#   bash scripts/gpu_next.sh sinks2   the sink work of the fifty-eighth session (0c, 0d below; carry ["ab58"]).
-# Next (as of the fifty-eighth session, whose device calls got one H100 again):
-#   0. `gpu_next.sh new` ran on that H100 (bench/results/h100_f561bec_new): the overflow pieces cost N(0, 1)
-#      nothing at 8192, DQ_ROWS took fm16k's deterministic backward 10.58 -> 3.90 ms. Both are defaults since
-#      1ae94b7 (pieces of 8192 in the fast backward with token chunks or SHARED_KV; DQ_ROWS on every wgmma
-#      shape): their H200 run is the record below (its GPU suite runs the new defaults' tests). The m3 sinks
-#      on the H200's T / 4 chunks: `sinks2` below (the host model: +17% left at 8192 as landed, +0.4% with
-#      the front pieces). (The `new` mode that ran it is gone: git show b181320:scripts/gpu_next.sh.)
-#   0c. the sink's residual cost: with its list cut (pieces), a sink block still costs the fast backward +13-17%
-#      at fm16k, +21% at m3/64k on the H100, while the forward's KL value (no dkp) shows none. At fm16k the
-#      tested hypothesis is dkp's per-tile fp32 REDs all landing on the sink's 128 key rows (against it: ~256
-#      REDs a 25 us tile period on each line is far below an L2 slice's same-line rate): probe pd
-#      (docs/prepared/probe-dkp-sink.patch, branch exp/probe-dkp-sink: the fast form's dkp REDs left out,
-#      wrong dkp by design), and ncu's stalls and SM balance with and without the sink. If pd's sink gap
-#      (sink - N(0, 1)) is near zero where main's is not, the REDs are the cause.
-#   0d. list pieces at the front (branch exp/pieces-front, also docs/prepared/pieces-front.patch against
-#      2e5e320; compiled, CPU tests, not run): a part over the cap goes whole to the overflow slots, the
-#      default cap with chunks is half a chunk; host model: the H200's m3/64k sink +18% -> +0.4%, the H100's
-#      +3.8% -> +0.4% at 2048. If its tests pass and N(0, 1) loses nothing, land it.
-#      0c and 0d in one call (~7 min): `bash scripts/gpu_next.sh sinks2`, carry ["ab58"] (run_main, run_pd,
-#      run_front, tests_front; if ab58 is gone: bash scripts/build_variants.sh ab58 main=main
-#      pd=exp/probe-dkp-sink front=exp/pieces-front:tests, or apply the two patches on branches).
-#   (fifty-third session, which swept the backward's chunks on an H200: the H100's T / 16 loses there at
-#   64k, T / 8 gains from 16k to 32k, now the H200's default, measured with forced counts only:)
-#   1. ONLY_H200=1 END_S=560 bash scripts/gpu_next.sh rule (timeout_s 580).
-#      (fifty-fourth session: no H200 came; HEAD's suite, memcheck, racecheck and main job passed on H100s.)
-#      (fifty-fifth session: none again: six of eleven starts found no machine, five got H100s; one ran HEAD's benchmark.)
-#      (fifty-sixth session: ten starts found no machine of either kind; the eleventh got an H100, used for the pieces.)
-#      (fifty-seventh session: paused at first; then two starts found none, the third got an H100, used for the pieces.)
-#      (fifty-eighth session: two starts found none; two calls got H100s: the A/Bs behind 1ae94b7 and its suite.)
-#   2. the record's other stages on the H200 with HEAD's bundle (tests, sanitizer, python, main, scale).
-#   For an A/B of builds, use the ab mode
-#   above. A call that must run on an H200 checks the card first (a call for nvidia-h200 may get an H100):
-#   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || exit 3
+# Next (as of the fifty-ninth session: nine starts for an H200 found none; four H100 calls ran the sink work,
+# bench/results/h100_b54c15a_sinks2, and the token divider, h100_token_divider; both landed. The `sinks2` mode
+# that ran them is gone: git show b54c15a:scripts/gpu_next.sh):
+#   0. the record on an H200 with HEAD's bundle (bash scripts/build_gpu_bundle.sh; carry ["scratch-gpu"]), the
+#      benchmark first, since no H200 has run since 5e0444f / 7487f70 (HEAD's chunk rule, the pieces at the
+#      front, DQ_ROWS, the token divider): a call naming nvidia-h200 may get an H100, so check the card:
+#        nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && STAGES=bench BENCH_TIMEOUT=540 \
+#          bash scripts/gpu_check.sh   (timeout_s ~580; then STAGES="tests sanitizer racecheck python main" and
+#          STAGES=scale on the warm machine)
+#   1. the fast backward's dkp REDs: a timing probe without them (docs/prepared/probe-dkp-sink.patch) took the H100's
+#      m3/64k backward 37.77 -> 34.08 ms and fm16k 3.17 -> 2.85 (~10%; the forty-first session's H200 probe: 2.1 ms at
+#      m3/64k), while dq's bulk reduce-adds move 8x the bytes a tile. Lead: dkp's two 64-column halves staged in
+#      shared memory (where dq's rows are staged, when free at the proxy step) and added with bulk reduce-adds,
+#      instead of 16 per-thread float4 REDs a tile and thread. On the H200 ~2 ms would take the m3/64k step to
+#      ~49 ms (9x cuDNN f+b needs 49.2).
+#   2. ONLY_H200=1 END_S=560 bash scripts/gpu_next.sh rule (timeout_s 580): HEAD's chunk rule beside 7487f70's
+#      (build scratch-main from 7487f70 first); measured with forced counts already (fifty-third session).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-record}
 if [ "$mode" = record ]; then
   exec bash scripts/gpu_check.sh  # its stages: $STAGES, else all
-fi
-if [ "$mode" = sinks2 ]; then
-  # 0c + 0d (carry ["ab58"]): the front pieces' GPU tests, then main / front / pd (no fast dkp REDs: wrong
-  # dkp, its check fails by design) with and without a sink block, one round, checked.
-  OUT=${OUT:-/tmp/flashmsa-next}
-  mkdir -p "$OUT"
-  for f in ab58/*.xz; do [ -f "$f" ] && [ ! -x "${f%.xz}" ] && xz -d -k -T8 "$f" && chmod +x "${f%.xz}"; done
-  nvidia-smi --query-gpu=name --format=csv,noheader
-  timeout 170 ab58/tests_front --gtest_brief=1 \
-    --gtest_filter='CudaBackward.*' \
-    > "$OUT/tests_front.log" 2>&1
-  echo "front tests: exit $?"; grep -E "FAILED|PASSED" "$OUT/tests_front.log" | tail -n 8
-  VARIANTS="main=ab58/run_main;front=ab58/run_front;pd=ab58/run_pd" ROUNDS=1 OUT=$OUT/ab \
-    CONFIGS=${SINK_CONFIGS:-"fm16k:--seqlen 16384 --heads 16 --kv-heads 2;fm16k_sink:--seqlen 16384 --heads 16 --kv-heads 2 --sink-blocks 1;m3_64k:--seqlen 65536;m3_64k_sink:--seqlen 65536 --sink-blocks 1"} \
-    timeout 380 bash scripts/gpu_ab.sh | tail -n 24
-  # Then, while the call has time (END_S, default 560 s), where fm16k's sink waits (ncu, ~1 min a run).
-  mkdir -p /tmp/bin_main && cp ab58/run_main /tmp/bin_main/flashmsa_run
-  # lse: the student lse kernel at fm16k (on the step's critical path there: 0.24 ms of the H200's 4.14).
-  for name in lse sink plain; do
-    [ $((${END_S:-560} - SECONDS)) -gt 90 ] || break
-    args="--heads 16 --kv-heads 2"; [ $name = sink ] && args+=" --sink-blocks 1"
-    kernel=attn_bwd_wgmma_kernel; [ $name = lse ] && kernel=proxy_lse_kernel
-    BIN=/tmp/bin_main SEQ=16384 RUN_ARGS="$args" NAME=$name KERNEL=$kernel OUT=$OUT/stalls timeout 100 \
-      bash scripts/gpu_stalls.sh | tail -n 8
-  done
-  tar czf "$OUT/sinks2.tgz" -C "$OUT" tests_front.log ab stalls 2>/dev/null
-  exit 0
 fi
 if [ "$mode" = rule ]; then
   OUT=${OUT:-/tmp/flashmsa-next}
