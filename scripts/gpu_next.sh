@@ -31,10 +31,13 @@
 #          STAGES=scale on the warm machine)
 #   1. the fast backward's dkp REDs: a timing probe without them (docs/prepared/probe-dkp-sink.patch) took the H100's
 #      m3/64k backward 37.77 -> 34.08 ms and fm16k 3.17 -> 2.85 (~10%; the forty-first session's H200 probe: 2.1 ms at
-#      m3/64k), while dq's bulk reduce-adds move 8x the bytes a tile. Lead: dkp's two 64-column halves staged in
-#      shared memory (where dq's rows are staged, when free at the proxy step) and added with bulk reduce-adds,
-#      instead of 16 per-thread float4 REDs a tile and thread. On the H200 ~2 ms would take the m3/64k step to
-#      ~49 ms (9x cuDNN f+b needs 49.2).
+#      m3/64k), while dq's bulk reduce-adds move 8x the bytes a tile. Prepared (compiled, not run):
+#      docs/prepared/dkp-bulk.patch (branch exp/dkp-bulk) stages each WG's dkp half (WG 0 in the dS tile, WG 1 in
+#      the stage's dO slot, rows 60..63 in the spare rows) and bulk reduce-adds it per 256-byte key row, fast form
+#      only. A/B with its tests: bash scripts/build_variants.sh ab60 main=main x=exp/dkp-bulk:tests; carry
+#      ["ab60"]; AB_DIR=ab60 TEST_FILTER='CudaBackward.*:CudaGraph.*' bash scripts/gpu_next.sh ab (then the
+#      racecheck of the 640-token step: STAGES=racecheck_wgmma with the branch's bundle). On the H200 ~2 ms
+#      would take the m3/64k step to ~49 ms (9x cuDNN f+b needs 49.2).
 #   2. ONLY_H200=1 END_S=560 bash scripts/gpu_next.sh rule (timeout_s 580): HEAD's chunk rule beside 7487f70's
 #      (build scratch-main from 7487f70 first); measured with forced counts already (fifty-third session).
 set -uo pipefail
