@@ -14,6 +14,8 @@
 #                                     e.g. with
 #     bash scripts/build_variants.sh ab21 main=main x=exp/some-branch:tests
 #     and carry ["ab21"]: AB_DIR=ab21 TEST_FILTER='CudaBackward.*:CudaGraph.*' bash scripts/gpu_next.sh ab
+#   bash scripts/gpu_next.sh either   whichever card comes: an H200 runs the record's benchmark, an H100 the dkp
+#                                     bulk A/B (items 0 and 1 below; carry ["scratch-gpu", "ab60"]).
 #   bash scripts/gpu_next.sh rule     HEAD's chunk rule (T / 8 from 16k to 32k tokens on the H200, 2ee1f4c) beside
 #                                     the previous default: carry ["scratch-gpu", "scratch-main"] (HEAD's bundle,
 #                                     and 7487f70's in scratch-main), END_S=<limit>; an A/B at m3 16k / 24k / 32k
@@ -23,6 +25,8 @@
 # Next (as of the fifty-ninth session: nine starts for an H200 found none; four H100 calls ran the sink work,
 # bench/results/h100_b54c15a_sinks2, and the token divider, h100_token_divider; both landed. The `sinks2` mode
 # that ran them is gone: git show b54c15a:scripts/gpu_next.sh):
+#   The first call of a session, whatever card comes: `END_S=570 bash scripts/gpu_next.sh either` (timeout_s 590,
+#   carry ["scratch-gpu", "ab60"], both built as the mode says), naming nvidia-h200.
 #   0. the record on an H200 with HEAD's bundle (bash scripts/build_gpu_bundle.sh; carry ["scratch-gpu"]), the
 #      benchmark first, since no H200 has run since 5e0444f / 7487f70 (HEAD's chunk rule, the pieces at the
 #      front, DQ_ROWS, the token divider): a call naming nvidia-h200 may get an H100, so check the card:
@@ -45,6 +49,28 @@ cd "$(dirname "$0")/.."
 mode=${1:-record}
 if [ "$mode" = record ]; then
   exec bash scripts/gpu_check.sh  # its stages: $STAGES, else all
+fi
+if [ "$mode" = either ]; then
+  # Whatever card comes (carry ["scratch-gpu", "ab60"]): on an H200 the record's benchmark of HEAD's bundle
+  # (item 0 below); on an H100 the dkp bulk A/B (item 1): the branch's backward and graph tests, then main
+  # against x at fm16k and m3/64k, two rounds, checked. Build: bash scripts/build_gpu_bundle.sh and
+  # bash scripts/build_variants.sh ab60 main=main x=exp/dkp-bulk:tests (exp/dkp-bulk: git apply
+  # docs/prepared/dkp-bulk.patch on a branch if it is gone). END_S as in `rule`.
+  OUT=${OUT:-/tmp/flashmsa-next}
+  mkdir -p "$OUT"
+  card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
+  echo "card: $card"
+  if [[ $card == *H200* ]]; then
+    STAGES=bench BENCH_TIMEOUT=$((${END_S:-570} - 20)) OUT=$OUT bash scripts/gpu_check.sh | tail -n 32
+    exit 0
+  fi
+  for f in ab60/*.xz; do [ -f "$f" ] && [ ! -x "${f%.xz}" ] && xz -d -k -T8 "$f" && chmod +x "${f%.xz}"; done
+  timeout 150 ab60/tests_x --gtest_brief=1 --gtest_filter='CudaBackward.*:CudaGraph.*' > "$OUT/tests_x.log" 2>&1
+  echo "x tests: exit $?"; grep -E "FAILED|PASSED" "$OUT/tests_x.log" | tail -n 8
+  VARIANTS="main=ab60/run_main;x=ab60/run_x" ROUNDS=2 OUT=$OUT/ab \
+    CONFIGS="fm16k:--seqlen 16384 --heads 16 --kv-heads 2;m3_64k:--seqlen 65536" \
+    timeout $((${END_S:-570} - SECONDS)) bash scripts/gpu_ab.sh | tail -n 12
+  exit 0
 fi
 if [ "$mode" = rule ]; then
   OUT=${OUT:-/tmp/flashmsa-next}
