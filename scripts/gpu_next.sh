@@ -22,7 +22,7 @@
 #                                     / 64k, gqa8 16k (not yet run with chunks on an H200) and fm16k, checked,
 #                                     then HEAD's benchmark in the time left (the next record). ~4-5 min.
 #                                     RULE_CONFIGS (gpu_ab.sh's CONFIGS) narrows the A/B for a short call.
-# Next (as of the fifty-ninth session: nine starts for an H200 found none; four H100 calls ran the sink work,
+# Next (as of the fifty-ninth session: eight starts for an H200 found none; four H100 calls ran the sink work,
 # bench/results/h100_b54c15a_sinks2, and the token divider, h100_token_divider; both landed. The `sinks2` mode
 # that ran them is gone: git show b54c15a:scripts/gpu_next.sh):
 #   The first call of a session, whatever card comes: `END_S=570 bash scripts/gpu_next.sh either` (timeout_s 590,
