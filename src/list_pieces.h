@@ -18,12 +18,15 @@ FLASHMSA_HOST_DEVICE inline int list_piece_begin(int begin, int len, int count, 
   return begin + static_cast<int>(static_cast<int64_t>(len) * j / count);
 }
 
+// Whether a part of len entries is cut (more than one piece of at most cap, cap >= 1): the table builder
+// and the kernel's usual CTA (which then exits) decide by this one rule.
+FLASHMSA_HOST_DEVICE inline bool list_part_cut(int len, int cap) { return len > cap; }
+
 // The records a part of len entries puts in the overflow table: none when one piece holds it, else all
 // its pieces (its own (chunk, block) CTA then exits), so that a cut part's pieces start with the first
 // CTAs of the group's grid range instead of one of them waiting for the part's place in grid order.
 FLASHMSA_HOST_DEVICE inline int list_piece_overflow(int len, int cap) {
-  const int count = list_piece_count(len, cap);
-  return count > 1 ? count : 0;
+  return list_part_cut(len, cap) ? list_piece_count(len, cap) : 0;
 }
 
 // The most overflow records that a proxy group's list parts, holding `entries` entries in all, can make:

@@ -66,6 +66,8 @@ TEST(ListPieces, OverflowBoundHoldsTheGroupsPieces) {
 
 // A part within the cap stays with its own CTA (no records); a longer one goes whole to the overflow table.
 TEST(ListPieces, OnlyCutPartsOverflow) {
+  EXPECT_FALSE(flashmsa::list_part_cut(100, 100));
+  EXPECT_TRUE(flashmsa::list_part_cut(101, 100));
   EXPECT_EQ(list_piece_overflow(0, 100), 0);
   EXPECT_EQ(list_piece_overflow(100, 100), 0);
   EXPECT_EQ(list_piece_overflow(101, 100), 2);

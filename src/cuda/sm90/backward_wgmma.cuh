@@ -440,7 +440,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
   }
   // A main CTA whose part the pieces cut leaves all of it to the overflow CTAs (CTA-uniform; its KL share
   // slot is zeroed, dK / dV go through the accumulators with pieces).
-  if (pieces && !over && bc.end - bc.begin > fa.piece_cap) return;  // list_piece_overflow > 0
+  if (pieces && !over && list_part_cut(bc.end - bc.begin, fa.piece_cap)) return;
   const int ntiles = (bc.end - bc.begin + kTileTok - 1) / kTileTok;
   const int steps = ntiles * (m + 1);
 

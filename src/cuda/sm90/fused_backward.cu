@@ -329,9 +329,9 @@ int backward_chunk_tokens(int64_t T, bool det) {
 // Tokens per list piece of the wgmma backward and of its KL-only form (FoldArgs::pieces; 0: none, the
 // grid's own (chunk, block) CTAs). FLASHMSA_BWD_PIECE sets it (read per call; set > 0, it makes a problem
 // the pieces do not apply to an error: how tests prove they ran; set to 0, none). Unset: the fast backward
-// takes kDefaultPieceTokens where its dK / dV already go through accumulators (token chunks, or
+// takes default_piece_tokens where its dK / dV already go through accumulators (token chunks, or
 // groups sharing a kv head), so that the default changes neither its workspace nor its dK / dV path.
-// 8192 tokens cut no list of N(0, 1) selections at fm16k, m3/32k or m3/64k and an attention sink's list
+// Without chunks that is kDefaultPieceTokens: 8192 tokens cut no list of N(0, 1) selections at fm16k, m3/32k or m3/64k and an attention sink's list
 // of every token into T / 8192 pieces: on an H100 (bench/results/h100_f561bec_new), fm16k backward
 // N(0, 1) 3.166 -> 3.167 ms, with a sink block 6.296 -> 3.703; m3/64k N(0, 1) 38.31 -> 38.28. The
 // deterministic backward keeps none (its pieces put dkp in int64: fm16k +6-9%), nor does the KL-only
@@ -341,7 +341,9 @@ int backward_chunk_tokens(int64_t T, bool det) {
 // first CTAs of the group's range. Host model (scripts/model_list_pieces.py --front, token-row tiles):
 // a sink at m3/64k costs the H200 (T / 4 chunks) +42% without pieces, +0.4% at 8192; the H100 (T / 16)
 // +9% without, +0.4% at 2048; m3/32k on the H200 (T / 8) +20% without, +1.2% at 2048; N(0, 1) selections
-// +0.1-0.7% from the cuts (measured on an H100, cap 2048 at m3/64k: 38.24 vs 38.31 ms, the earlier form).
+// +0.1-0.7% from the cuts. Measured on an H100 (bench/results/h100_b54c15a_sinks2, m3/64k's 4096-token
+// chunks, cap 2048): N(0, 1) 37.70 ms against 37.77 with the own CTA keeping the first piece, a sink
+// 44.63 against 46.50; fm16k (8192, no chunks) 3.17 both, sink 3.63 against 3.66.
 constexpr int kDefaultPieceTokens = 8192;
 int default_piece_tokens(int n_chunks, int chunk_tokens) {
   return n_chunks > 0 ? std::clamp(chunk_tokens / 2, 512, kDefaultPieceTokens) : kDefaultPieceTokens;
