@@ -51,19 +51,15 @@ if [ "$mode" = record ]; then
   exec bash scripts/gpu_check.sh  # its stages: $STAGES, else all
 fi
 if [ "$mode" = either ]; then
-  # Whatever card comes (carry ["scratch-gpu", "ab60"]): on an H200 the record's benchmark of HEAD's bundle
-  # (item 0 below); on an H100 the dkp bulk A/B (item 1): the branch's backward and graph tests, then main
-  # against x at fm16k and m3/64k, two rounds, checked. Build: bash scripts/build_gpu_bundle.sh and
+  # Whatever card comes (carry ["scratch-gpu", "ab60"]): the dkp bulk A/B (item 1 below): the branch's
+  # backward and graph tests, then main against x at fm16k and m3/64k, two rounds, checked; then the front
+  # pieces' cap at m3/32k. On an H200 the record follows in the next calls (item 0), with the winner's
+  # bundle. Build: bash scripts/build_gpu_bundle.sh and
   # bash scripts/build_variants.sh ab60 main=main x=exp/dkp-bulk:tests (exp/dkp-bulk: git apply
   # docs/prepared/dkp-bulk.patch on a branch if it is gone). END_S as in `rule`.
   OUT=${OUT:-/tmp/flashmsa-next}
   mkdir -p "$OUT"
-  card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
-  echo "card: $card"
-  if [[ $card == *H200* ]]; then
-    STAGES=bench BENCH_TIMEOUT=$((${END_S:-570} - 20)) OUT=$OUT bash scripts/gpu_check.sh | tail -n 32
-    exit 0
-  fi
+  echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
   for f in ab60/*.xz; do [ -f "$f" ] && [ ! -x "${f%.xz}" ] && xz -d -k -T8 "$f" && chmod +x "${f%.xz}"; done
   timeout 150 ab60/tests_x --gtest_brief=1 --gtest_filter='CudaBackward.*:CudaGraph.*' > "$OUT/tests_x.log" 2>&1
   echo "x tests: exit $?"; grep -E "FAILED|PASSED" "$OUT/tests_x.log" | tail -n 8
