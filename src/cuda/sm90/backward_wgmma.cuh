@@ -24,7 +24,8 @@
 //     registers), dS^T to a shared [128 keys][64 tok] tile, dQ[:, 64w..] = dS K (SS) -> staged
 //     in the consumed stage's Q / dO slot, one bulk reduce-add (256 bytes) per token row.
 //     Proxy step: S_p^T = Kp_w Qp^T, KL terms, dS_p^T = c (Qs - Tch), dkp share = dS_p^T Qp (RS,
-//     two 64-column halves -> atomics), dqp = dS_p Kp via the shared dS tile -> staged as dQ.
+//     two 64-column halves -> staged per WG and bulk reduce-added per key row in the fast form,
+//     REDs in the deterministic ones), dqp = dS_p Kp via the shared dS tile -> staged as dQ.
 //     Software pipelined by one product: step s+1's S^T (or S_p^T) is issued right behind step
 //     s's dQ (dqp) and runs under step s's staging; the stage is released (empty) once the bulk
 //     reduce-adds have read the staged rows (the per-head DET form, which stages nothing: as soon
@@ -907,8 +908,8 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
       for (int kk = 0; kk < 4; ++kk) acc_to_a_frag(da[kk], s1 + 8 * kk);
 
       // dkp share of this tile, rows = this WG's keys, in two 64-column halves (32 registers each):
-      // fp32 REDs into the shared [T, Hpk, D] accumulator (fast form), or into partial p of [T, Hp, D]
-      // (fa.dkp_per_head). DET with the partials: rows (key, p) get adds from this CTA only (one CTA per
+      // staged and bulk reduce-added into the shared [T, Hpk, D] accumulator (fast form, below), or
+      // fp32 REDs into partial p of [T, Hp, D] (fa.dkp_per_head). DET with the partials: rows (key, p) get adds from this CTA only (one CTA per
       // (p, key block) without token chunks or list pieces), each element always from the same lane, and one thread's
       // REDs to one address apply in program order (PTX memory model: program order is part of
       // causality order, which coherence order follows; a vector RED is one RED per element), so the
@@ -938,13 +939,43 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
             wb_fx_tile(fa.dkp_acc, kat_lo + 64 * half + 8 * j, kat_hi + 64 * half + 8 * j, key_lo < bc.seq_len,
                        key_lo + 8 < bc.seq_len, acc[4 * j] * fa.scale_p, acc[4 * j + 1] * fa.scale_p,
                        acc[4 * j + 2] * fa.scale_p, acc[4 * j + 3] * fa.scale_p, fx_kp);
-        } else {
+        } else if (DET) {
 #pragma unroll
           for (int j = 0; j < 8; ++j)
             wb_red_tile(static_cast<float*>(fa.dkp_acc), kat_lo + 64 * half + 8 * j, kat_hi + 64 * half + 8 * j,
                         key_lo < bc.seq_len, key_lo + 8 < bc.seq_len, acc[4 * j] * fa.scale_p,
                         acc[4 * j + 1] * fa.scale_p, acc[4 * j + 2] * fa.scale_p, acc[4 * j + 3] * fa.scale_p,
                         c4);
+        } else {
+          // Fast form: the WG's 64 key rows x 64 columns staged and bulk reduce-added, one 256-byte row
+          // per thread of the WG's warps 0, 1, as dQ leaves (below), instead of 16 per-thread float4 REDs
+          // (a probe without them: m3/64k backward -10% on an H100). Staging: WG 0 in the dS tile (free:
+          // both WGs' dQ products that read it ended before StageDead, and WG 1 rewrites it only after
+          // DsFree, below, which WG 0's issuing threads reach once their reads are done), WG 1 in the
+          // stage's dO slot (a proxy step loads none; the dqp staging takes it after StageDead), rows
+          // 60..63 in the WG's spare rows. The first barrier: the WG's issuing threads have finished
+          // reading the spare rows (the previous step's dQ) or this buffer (half 0).
+          unsigned char* const stg = cw == 0 ? sdS : sdO + st * L::kTokTile;
+          unsigned char* const spare = smem + L::oStgSpare + cw * L::kStgSpare - L::kStgInSlot * L::kStgPitch;
+          auto row_at = [&](int r) { return (r < L::kStgInSlot ? stg : spare) + r * L::kStgPitch; };
+          const int wg_bar = (RM > 0 ? kBarStaged + 1 : kBarStaged) + cw;
+          bar_sync(wg_bar, 128);
+          const int lr = 16 * wi + g4;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            *reinterpret_cast<float2*>(row_at(lr) + 32 * j + 8 * c4) =
+                make_float2(acc[4 * j] * fa.scale_p, acc[4 * j + 1] * fa.scale_p);
+            *reinterpret_cast<float2*>(row_at(lr + 8) + 32 * j + 8 * c4) =
+                make_float2(acc[4 * j + 2] * fa.scale_p, acc[4 * j + 3] * fa.scale_p);
+          }
+          fence_proxy_async_shared();  // generic stores of the staging before the async-proxy reads
+          bar_sync(wg_bar, 128);
+          const int r = ct & (kTileTok - 1), key = bc.key0 + 64 * cw + r;
+          float* const dst = static_cast<float*>(fa.dkp_acc) +
+                             ((bc.seq_start + min(key, bc.seq_len - 1)) * dkp_rows + dkp_row) * D + 64 * half;
+          wb_bulk_reduce_if((ct & 127) < kTileTok && key < bc.seq_len, dst, smem_u32(row_at(r)));
+          bulk_commit_group();
+          bulk_wait_group_read<0>();
         }
       }
 #pragma unroll
