@@ -909,8 +909,9 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
 
       // dkp share of this tile, rows = this WG's keys, in two 64-column halves (32 registers each):
       // staged and bulk reduce-added into the shared [T, Hpk, D] accumulator (fast form, below), or
-      // fp32 REDs into partial p of [T, Hp, D] (fa.dkp_per_head). DET with the partials: rows (key, p) get adds from this CTA only (one CTA per
-      // (p, key block) without token chunks or list pieces), each element always from the same lane, and one thread's
+      // fp32 REDs into partial p of [T, Hp, D] (fa.dkp_per_head). DET with the partials: rows (key, p)
+      // get adds from this CTA only (one CTA per (p, key block) without token chunks or list pieces),
+      // each element always from the same lane, and one thread's
       // REDs to one address apply in program order (PTX memory model: program order is part of
       // causality order, which coherence order follows; a vector RED is one RED per element), so the
       // sums do not depend on timing; the Hp / Hpk partials of a key head are summed in a fixed order
@@ -949,7 +950,8 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
         } else {
           // Fast form: the WG's 64 key rows x 64 columns staged and bulk reduce-added, one 256-byte row
           // per thread of the WG's warps 0, 1, as dQ leaves (below), instead of 16 per-thread float4 REDs
-          // (a probe without them: m3/64k backward -10% on an H100). Staging: WG 0 in the dS tile (free:
+          // (H100 m3/64k backward -0.5 ms; without any dkp adds -3.7: the rest is the L2's fp32 adds
+          // themselves, which the bulk form does as well). Staging: WG 0 in the dS tile (free:
           // both WGs' dQ products that read it ended before StageDead, and WG 1 rewrites it only after
           // DsFree, below, which WG 0's issuing threads reach once their reads are done), WG 1 in the
           // stage's dO slot (a proxy step loads none; the dqp staging takes it after StageDead), rows
