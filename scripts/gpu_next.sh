@@ -17,6 +17,12 @@
 #   bash scripts/gpu_next.sh h200     the record on an H200 (item 0 below) in one call: the benchmark first, then the
 #                                     scale runs and the GPU suite in the time left (END_S, default 585); on any
 #                                     other card nothing runs (exit 3). Results packed into $OUT/h200.tgz.
+#   bash scripts/gpu_next.sh rotate   the rotated list walk (docs/prepared/bwd-rotate.patch, branch exp/bwd-rotate) on any
+#                                     card: its backward tests, then one round, checked, of main / x (rotation off:
+#                                     the code's own cost) / xr (FLASHMSA_BWD_ROTATE=1) / x512 (FLASHMSA_BWD_PIECE=512)
+#                                     / xr512 (both) at fm16k and m3/64k with and without one sink block. Build:
+#                                     bash scripts/build_variants.sh ab61 main=main x=exp/bwd-rotate:tests; carry
+#                                     ["ab61"]. ~5 min on an H100.
 #   bash scripts/gpu_next.sh rule     HEAD's chunk rule (T / 8 from 16k to 32k tokens on the H200, 2ee1f4c) beside
 #                                     the previous default: carry ["scratch-gpu", "scratch-main"] (HEAD's bundle,
 #                                     and 7487f70's in scratch-main), END_S=<limit>; an A/B at m3 16k / 24k / 32k
@@ -28,7 +34,14 @@
 #   0. the record on an H200 with HEAD's bundle (bash scripts/build_gpu_bundle.sh; carry ["scratch-gpu"]), naming
 #      nvidia-h200 (a call may get an H100: the mode then exits at once): END_S=570 bash scripts/gpu_next.sh h200
 #      (timeout_s 590); then STAGES="sanitizer racecheck python main" and STAGES=racecheck_wgmma on the warm machine.
-#   1. ONLY_H200=1 END_S=560 bash scripts/gpu_next.sh rule (timeout_s 580): HEAD's chunk rule beside 7487f70's
+#   1. on whatever card comes (an H100 will do): bash scripts/gpu_next.sh rotate (timeout_s 590). The sink
+#      inputs (flashmsa_run --sink-blocks) bias every token's qp, so beyond the sink a dozen blocks become hot:
+#      in a 4096-token chunk at 32k their lists hold 600-1600 tokens against ~300 on N(0, 1) inputs (host count,
+#      the selection rule in numpy), all below the default cap. Two readings of the sink's unexplained +18%
+#      (m3/64k, H100): those long uncut lists' imbalance (x512 cuts them) or their CTAs walking the same tokens
+#      in step, reduce-adding into the same dq rows at once (xr rotates each walk). Land whichever pays, as
+#      the default where it costs N(0, 1) nothing.
+#   2. ONLY_H200=1 END_S=560 bash scripts/gpu_next.sh rule (timeout_s 580): HEAD's chunk rule beside 7487f70's
 #      (build scratch-main from 7487f70 first); measured with forced counts already (fifty-third session).
 #   The fast backward's dkp adds still cost ~9% of it on an H100 (the probe: 3.7 ms at m3/64k, bulk adds took 0.5
 #   of it): halving them needs 128-token proxy steps (perf-notes, thirty-ninth session's design) or registers
@@ -55,6 +68,19 @@ if [ "$mode" = h200 ]; then
   left=$((END - SECONDS))
   [ $left -gt 150 ] && STAGES=tests OUT=$work/tests timeout $((left - 10)) bash scripts/gpu_check.sh | tail -n 4
   tar czf "$res/h200.tgz" -C "$work" .
+  exit 0
+fi
+if [ "$mode" = rotate ]; then
+  OUT=${OUT:-/tmp/flashmsa-next}
+  mkdir -p "$OUT"
+  echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
+  for f in ab61/*.xz; do [ -f "$f" ] && [ ! -x "${f%.xz}" ] && xz -d -k -T8 "$f" && chmod +x "${f%.xz}"; done
+  timeout 200 ab61/tests_x --gtest_brief=1 --gtest_filter='CudaBackward.*:CudaGraph.*' > "$OUT/tests_x.log" 2>&1
+  echo "x tests: exit $?"; grep -E "FAILED|PASSED" "$OUT/tests_x.log" | tail -n 8
+  x=ab61/run_x
+  VARIANTS="main=ab61/run_main;x=$x;xr=$x,FLASHMSA_BWD_ROTATE=1;x512=$x,FLASHMSA_BWD_PIECE=512;xr512=$x,FLASHMSA_BWD_ROTATE=1,FLASHMSA_BWD_PIECE=512" \
+    ROUNDS=1 OUT=$OUT/ab CONFIGS="fm16k_sink:--seqlen 16384 --heads 16 --kv-heads 2 --sink-blocks 1;m3_64k_sink:--seqlen 65536 --sink-blocks 1;fm16k:--seqlen 16384 --heads 16 --kv-heads 2;m3_64k:--seqlen 65536" \
+    timeout $((${END_S:-585} - SECONDS)) bash scripts/gpu_ab.sh | tail -n 24
   exit 0
 fi
 if [ "$mode" = rule ]; then
