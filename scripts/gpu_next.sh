@@ -40,7 +40,8 @@
 #      count_hot_blocks.py), all below the default cap. Two readings of the sink's unexplained +18%
 #      (m3/64k, H100): those long uncut lists' imbalance (x512 cuts them) or their CTAs walking the same tokens
 #      in step, reduce-adding into the same dq rows at once (xr rotates each walk). Land whichever pays, as
-#      the default where it costs N(0, 1) nothing.
+#      the default where it costs N(0, 1) nothing. The host model with these selections (model_list_pieces.py
+#      --proxy-inputs) puts imbalance at +3.5% of the +18% (a 512 cap: +2.7%): the per-tile reading is the lead.
 #   2. ONLY_H200=1 END_S=560 bash scripts/gpu_next.sh rule (timeout_s 580): HEAD's chunk rule beside 7487f70's
 #      (build scratch-main from 7487f70 first); measured with forced counts already (fifty-third session).
 #   The fast backward's dkp adds still cost ~9% of it on an H100 (the probe: 3.7 ms at m3/64k, bulk adds took 0.5

@@ -11,6 +11,8 @@ cut part's pieces there, its own CTA empty). Prints the
 makespan (tile units) and its ratio to the balanced bound, per case.
 
   python3 scripts/model_list_pieces.py --seqlen 32768 --chunks 16       # the H100's m3/32k
+  python3 scripts/model_list_pieces.py --seqlen 65536 --chunks 16 --tile-tokens 4 --front --caps 0,512,2048 \
+      --proxy-inputs                                                     # flashmsa_run's sink inputs, m3/64k
 """
 import argparse
 import heapq
@@ -34,6 +36,34 @@ def lists_for_group(T, K, sink, rng):
         if sink:
             rows_t.append(t)
             rows_b.append(np.zeros(len(t), dtype=np.int64))
+    tokens, blocks = np.concatenate(rows_t), np.concatenate(rows_b)
+    order = np.lexsort((tokens, blocks))
+    b_sorted, t_sorted = blocks[order], tokens[order]
+    starts = np.searchsorted(b_sorted, np.arange(nb + 1))
+    return [t_sorted[starts[g]:starts[g + 1]] for g in range(nb)]
+
+
+def lists_from_proxy(T, K, sink, rng, kp):
+    """Block lists of one proxy group selected as select_blocks does on flashmsa_run's inputs: N(0, 1) qp
+    (this group's) and kp (shared: Hpk = 1), with --sink-blocks 1 adding 12 to every qp[0] and to the sink
+    keys' kp[0]; each token keeps its own block and the K - 1 best others by causal block max of qp.kp.
+    Such inputs skew beyond the sink: every token ranks the blocks by their kp[0] maxima."""
+    D, nb = kp.shape[1], (T + 127) // 128
+    qp = rng.standard_normal((T, D)).astype(np.float32)
+    if sink:
+        qp[:, 0] += 12
+    rows_t, rows_b = [], []
+    for t0 in range(0, T, 512):
+        rows = np.arange(t0, min(T, t0 + 512))
+        n = rows[-1] // 128 + 1
+        sc = qp[rows] @ kp[: n * 128].T
+        sc[np.arange(n * 128)[None, :] > rows[:, None]] = -np.inf
+        best = sc.reshape(len(rows), n, 128).max(2)
+        best[np.arange(len(rows)), rows // 128] = np.inf
+        k = min(K, n)
+        pick = np.argpartition(-best, k - 1, axis=1)[:, :k]
+        rows_t.append(np.repeat(rows, k))
+        rows_b.append(pick.ravel())
     tokens, blocks = np.concatenate(rows_t), np.concatenate(rows_b)
     order = np.lexsort((tokens, blocks))
     b_sorted, t_sorted = blocks[order], tokens[order]
@@ -97,12 +127,20 @@ def main():
     ap.add_argument("--caps", default="0,512,1024,2048,4096,8192")
     ap.add_argument("--tile-tokens", type=int, default=64, help="tokens a tile (token rows of m heads: 64 / m)")
     ap.add_argument("--front", action="store_true", help="a cut part's pieces all in the overflow slots")
+    ap.add_argument("--proxy-inputs", action="store_true",
+                    help="select as select_blocks does on flashmsa_run's inputs (lists_from_proxy), not uniformly")
     args = ap.parse_args()
     T = args.seqlen
     chunk = -(-T // args.chunks) if args.chunks else 0
     rng = np.random.default_rng(1)
     for sink in (False, True):
-        lists = [lists_for_group(T, args.topk, sink, rng) for _ in range(args.groups)]
+        if args.proxy_inputs:
+            kp = np.random.default_rng(2).standard_normal((T, 128)).astype(np.float32)
+            if sink:
+                kp[:128, 0] += 12
+            lists = [lists_from_proxy(T, args.topk, sink, rng, kp) for _ in range(args.groups)]
+        else:
+            lists = [lists_for_group(T, args.topk, sink, rng) for _ in range(args.groups)]
         longest = max(len(l) for gl in lists for l in gl)
         for cap in [int(c) for c in args.caps.split(",")]:
             per_group = [ctas(gl, T, chunk, cap, args.cta_cost, args.empty_cost, args.topk, args.tile_tokens,
