@@ -36,7 +36,7 @@
 #      (timeout_s 590); then STAGES="sanitizer racecheck python main" and STAGES=racecheck_wgmma on the warm machine.
 #   1. on whatever card comes (an H100 will do): bash scripts/gpu_next.sh rotate (timeout_s 590). The sink
 #      inputs (flashmsa_run --sink-blocks) bias every token's qp, so beyond the sink a dozen blocks become hot:
-#      in a 4096-token chunk at 32k their lists hold 600-1600 tokens against ~300 on N(0, 1) inputs (scripts/
+#      in a 4096-token chunk at 32k their lists hold 570-1110 tokens against 300-410 on N(0, 1) inputs (scripts/
 #      count_hot_blocks.py), all below the default cap. Two readings of the sink's unexplained +18%
 #      (m3/64k, H100): those long uncut lists' imbalance (x512 cuts them) or their CTAs walking the same tokens
 #      in step, reduce-adding into the same dq rows at once (xr rotates each walk). Land whichever pays, as

@@ -949,7 +949,7 @@ __global__ void __launch_bounds__(WgBwd::kThreads, 1) attn_bwd_wgmma_kernel(
                         c4);
         } else {
           // Fast form: the WG's 64 key rows x 64 columns staged and bulk reduce-added, one 256-byte row
-          // per thread of the WG's warps 0, 1, as dQ leaves (below), instead of 16 per-thread float4 REDs
+          // per thread of the WG's warps 0, 1, as dQ leaves (below), instead of 8 float4 REDs per thread
           // (H100 m3/64k backward -0.5 ms; without any dkp adds -3.7: the rest is the L2's fp32 adds
           // themselves, which the bulk form does as well). Staging: WG 0 in the dS tile (free:
           // both WGs' dQ products that read it ended before StageDead, and WG 1 rewrites it only after
