@@ -183,6 +183,36 @@ def test_packed_equals_separate(mode):
     assert abs(kl.item() - kl_sum / packed.shape[1]) < 1e-4 * max(1.0, abs(kl.item()))
 
 
+@pytest.mark.parametrize("mode", ["warmup", "sparse"])
+@pytest.mark.parametrize("reentrant,kl_out", [(False, False), (True, False), (False, True)])
+def test_activation_checkpointing_gives_the_same_gradients(mode, reentrant, kl_out):
+    """torch.utils.checkpoint drops the layer's activations and runs its forward again (the
+    selection included) inside the backward. The CPU backend is deterministic, so the outputs,
+    the KL value (returned, or written by the backward into kl_value_out) and every gradient
+    equal the plain run's bit for bit."""
+    x = torch.randn(2, 70, 48)
+    runs = []
+    for checkpointed in (False, True):
+        m = make(seed=3).set_mode(mode)
+        xi = x.clone().requires_grad_(True)
+        buf = torch.full((), float("nan")) if kl_out else None
+        if checkpointed:
+            y, kl = torch.utils.checkpoint.checkpoint(m, xi, None, buf, use_reentrant=reentrant)
+        else:
+            y, kl = m(xi, None, buf)
+        (y.square().mean() + kl).backward()
+        grads = {n: p.grad for n, p in m.named_parameters()}
+        runs.append((y.detach(), buf if kl_out else kl.detach(), xi.grad, grads))
+    (y0, kl0, gx0, g0), (y1, kl1, gx1, g1) = runs
+    assert kl0.item() > 0
+    assert torch.equal(y0, y1) and torch.equal(kl0, kl1) and torch.equal(gx0, gx1)
+    for name in MAIN + PROXY:
+        for n in g0:
+            if n.startswith(name + "."):
+                assert g0[n] is not None and g0[n].abs().sum() > 0, n
+                assert torch.equal(g0[n], g1[n]), n
+
+
 def test_positions_from_cu_seqlens():
     cu = torch.tensor([0, 3, 3, 5], dtype=torch.int32)
     assert positions_from_cu_seqlens(cu, 5).tolist() == [0, 1, 2, 0, 1]
