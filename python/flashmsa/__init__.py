@@ -156,7 +156,8 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qp: torch.T
                   scale: Optional[float] = None, proxy_scale: Optional[float] = None,
                   kl_coeff: float = 1.0, mode: str = "sparse",
                   deterministic: bool = False,
-                  kl_value_out: Optional[torch.Tensor] = None) -> MSAOutput:
+                  kl_value_out: Optional[torch.Tensor] = None,
+                  need_kl: bool = True) -> MSAOutput:
     """MiniMax Sparse Attention (causal), training forward with autograd.
 
     Layouts:
@@ -183,6 +184,10 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qp: torch.T
     kl_value_out. kl_loss then still carries the proxy's gradient, but its value is 0: log
     kl_value_out after backward() instead. Where no backward can follow (grad mode off, or no
     input requires grad), the forward forms the value and writes it there itself.
+
+    need_kl=False: nobody reads the KL value (inference, evaluation, or training that does not
+    log it), so the forward skips its pass over the scores and kl_loss holds 0. kl_loss still
+    carries the proxy's gradient: backward() trains qp/kp exactly as with need_kl=True.
     """
     if mode not in _MODES:
         _fail(f"option 'mode' must be one of {_MODES}, got {mode!r}")
@@ -220,7 +225,13 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qp: torch.T
         cu_dev, cu_host = _as_cu_seqlens(cu_seqlens, q.device)
 
     kl_out = None
-    if kl_value_out is not None:
+    if not need_kl:
+        if kl_value_out is not None:
+            _fail("argument 'kl_value_out' asks for the KL value, and need_kl=False says nobody "
+                  "reads it: pass one of them")
+        # The op skips the forward's KL pass whenever it gets a kl_out; nobody reads this one.
+        kl_out = torch.empty((), dtype=torch.float32, device=q.device)
+    elif kl_value_out is not None:
         if not isinstance(kl_value_out, torch.Tensor) or kl_value_out.dtype != torch.float32 or \
                 kl_value_out.numel() != 1 or kl_value_out.dim() > 1:
             _fail("argument 'kl_value_out' must be one float32 value (a 0-dim or [1] tensor), got "

@@ -227,12 +227,14 @@ class MSAAttention(nn.Module):
 
     def forward(self, x: torch.Tensor,
                 cu_seqlens: Union[None, torch.Tensor, Sequence[int]] = None,
-                kl_value_out: Optional[torch.Tensor] = None):
+                kl_value_out: Optional[torch.Tensor] = None, need_kl: bool = True):
         """x [B, S, d_model] (or packed [T, d_model] with cu_seqlens) -> (y like x, kl_loss 0-dim fp32).
 
         kl_value_out (one float32 value on x's device, optional): msa_attention's; the backward
         writes kl_loss's value there and the forward skips forming it (kl_loss then holds 0 and
-        only carries the proxy's gradient). Dense mode writes 0."""
+        only carries the proxy's gradient). Dense mode writes 0.
+        need_kl=False: msa_attention's; nobody reads the KL value (e.g. evaluation), so the
+        forward does not form it and kl_loss holds 0 (still carrying the proxy's gradient)."""
         in_shape = x.shape
         p = self.project(x, cu_seqlens)
         # the op wants one dtype for all five inputs (autocast may leave the norms in fp32)
@@ -248,7 +250,8 @@ class MSAAttention(nn.Module):
             r = msa_attention(q, k, v, qp, kp, cu_seqlens, block_size=self.block_size,
                               top_k=self.top_k, local_blocks=self.local_blocks,
                               kl_coeff=self.kl_coeff, mode=self.mode,
-                              deterministic=self.deterministic, kl_value_out=kl_value_out)
+                              deterministic=self.deterministic, kl_value_out=kl_value_out,
+                              need_kl=need_kl)
             o, kl = r.out, r.kl_loss
             if self.record_selection:
                 self.last_block_idx = r.block_idx

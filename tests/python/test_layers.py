@@ -93,6 +93,24 @@ def test_kl_value_out_from_backward(mode):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("mode", ["warmup", "sparse"])
+def test_need_kl_false_trains_the_same(mode):
+    """need_kl=False: kl_loss holds 0, and y and every gradient (the proxy's too) are the plain
+    run's."""
+    x = torch.randn(2, 70, 48)
+    runs = []
+    for need_kl in (True, False):
+        m = make().set_mode(mode)
+        y, kl = m(x, need_kl=need_kl)
+        (y.square().mean() + kl).backward()
+        runs.append((y.detach(), kl.item(), {n: p.grad for n, p in m.named_parameters()}))
+    (y0, kl0, g0), (y1, kl1, g1) = runs
+    assert kl0 > 0 and kl1 == 0.0 and torch.equal(y0, y1)
+    assert g0["wqp.weight"].abs().sum() > 0
+    for n in g0:
+        assert torch.equal(g0[n], g1[n]), n
+
+
 def test_proxy_parameters_lists_exactly_the_proxy():
     m = make()
     ids = {id(p) for p in m.proxy_parameters()}

@@ -433,6 +433,63 @@ def test_kl_value_out_compile_cpu():
     assert model.wqp.weight.grad is not None and model.wqp.weight.grad.abs().sum() > 0
 
 
+def _need_kl_matches(device, dtype, cfg, opt, mode):
+    """need_kl=False: the same output, kl_loss 0, and the same gradients from task + kl_loss (the
+    proxy's included): the forward only skips forming the value."""
+    inputs, cu = _problem("packed", cfg, dtype, device, seed=17)
+    runs = []
+    for need_kl in (True, False):
+        xs = [t.detach().clone().requires_grad_() for t in inputs]
+        res = flashmsa.msa_attention(*xs, cu, mode=mode, need_kl=need_kl, deterministic=True,
+                                     **opt)
+        (res.out.float().square().mean() + res.kl_loss).backward()
+        runs.append((res, [x.grad for x in xs]))
+    (want, want_grads), (res, grads) = runs
+    assert want.kl_loss.item() > 0 and res.kl_loss.item() == 0.0
+    assert torch.equal(res.out, want.out)
+    for name, mine, ref in zip(("dq", "dk", "dv", "dqp", "dkp"), grads, want_grads):
+        assert torch.equal(mine, ref), name
+    assert grads[3].abs().sum() > 0  # the proxy is still trained
+    with torch.no_grad():
+        res = flashmsa.msa_attention(*inputs, cu, mode=mode, need_kl=False, **opt)
+    assert res.kl_loss.item() == 0.0 and torch.equal(res.out, want.out)
+
+
+@pytest.mark.parametrize("mode", ["sparse", "warmup"])
+def test_need_kl_false_cpu(mode):
+    _need_kl_matches("cpu", torch.float32, CPU_CFG, CPU_OPT, mode)
+
+
+def test_need_kl_false_compile_cpu():
+    """torch.compile (fullgraph) with need_kl=False: kl_loss 0, and the proxy still trained."""
+    class NoKl(TinyMSA):
+        def forward(self, x):
+            H, Hkv, Hp, Hpk, D, Dv, Dp = self.shape
+            lead = x.shape[:-1]
+            r = flashmsa.msa_attention(
+                self.wq(x).view(*lead, H, D), self.wk(x).view(*lead, Hkv, D),
+                self.wv(x).view(*lead, Hkv, Dv), self.wqp(x).view(*lead, Hp, Dp),
+                self.wkp(x).view(*lead, Hpk, Dp), need_kl=False, **self.opt)
+            return self.wo(r.out.reshape(*lead, H * Dv)), r.kl_loss
+
+    torch.manual_seed(0)
+    model = NoKl(32, **CPU_CFG, attn=flashmsa.msa_attention, opt=CPU_OPT)
+    x = torch.randn(2, 80, 32)
+    y_eager, _ = TinyMSA.forward(model, x)
+    torch._dynamo.reset()
+    y, kl = torch.compile(model, fullgraph=True, backend="aot_eager")(x)
+    assert kl.item() == 0.0 and torch.allclose(y, y_eager, rtol=1e-5, atol=1e-6)
+    (y.square().mean() + kl).backward()
+    assert model.wqp.weight.grad is not None and model.wqp.weight.grad.abs().sum() > 0
+
+
+def test_need_kl_false_with_kl_value_out_is_an_error():
+    inputs, cu = _problem("packed", CPU_CFG, torch.float32, "cpu", seed=9)
+    with pytest.raises(RuntimeError, match="'kl_value_out'.*need_kl=False"):
+        flashmsa.msa_attention(*inputs, cu, kl_value_out=torch.zeros(()), need_kl=False,
+                               **CPU_OPT)
+
+
 @pytest.mark.parametrize("bad,match", [
     (lambda: torch.zeros((), dtype=torch.float64), "float32"),
     (lambda: torch.zeros(2), "one float32 value"),
