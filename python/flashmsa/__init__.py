@@ -131,6 +131,12 @@ def _fail(msg: str):
     raise RuntimeError("flashmsa: " + msg)
 
 
+def _check_kl_request(kl_value_out, need_kl: bool):
+    if kl_value_out is not None and not need_kl:
+        _fail("argument 'kl_value_out' asks for the KL value, and need_kl=False says nobody "
+              "reads it: pass one of them")
+
+
 def _as_cu_seqlens(cu_seqlens, device: torch.device):
     """(device copy, host copy or None). A CPU tensor or a list given for CUDA inputs doubles as
     the host copy, which spares the library a device-to-host synchronisation."""
@@ -225,10 +231,8 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qp: torch.T
         cu_dev, cu_host = _as_cu_seqlens(cu_seqlens, q.device)
 
     kl_out = None
+    _check_kl_request(kl_value_out, need_kl)
     if not need_kl:
-        if kl_value_out is not None:
-            _fail("argument 'kl_value_out' asks for the KL value, and need_kl=False says nobody "
-                  "reads it: pass one of them")
         # The op skips the forward's KL pass whenever it gets a kl_out; nobody reads this one.
         kl_out = torch.empty((), dtype=torch.float32, device=q.device)
     elif kl_value_out is not None:

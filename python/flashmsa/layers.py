@@ -234,7 +234,10 @@ class MSAAttention(nn.Module):
         writes kl_loss's value there and the forward skips forming it (kl_loss then holds 0 and
         only carries the proxy's gradient). Dense mode writes 0.
         need_kl=False: msa_attention's; nobody reads the KL value (e.g. evaluation), so the
-        forward does not form it and kl_loss holds 0 (still carrying the proxy's gradient)."""
+        forward does not form it and kl_loss holds 0 (still carrying the proxy's gradient); an
+        error beside kl_value_out, in every mode."""
+        from flashmsa import _check_kl_request, msa_attention  # the extension loads with the package
+        _check_kl_request(kl_value_out, need_kl)  # in every mode, dense included
         in_shape = x.shape
         p = self.project(x, cu_seqlens)
         # the op wants one dtype for all five inputs (autocast may leave the norms in fp32)
@@ -246,7 +249,6 @@ class MSAAttention(nn.Module):
             if kl_value_out is not None:
                 kl_value_out.zero_()
         else:
-            from flashmsa import msa_attention  # the extension loads with the package
             r = msa_attention(q, k, v, qp, kp, cu_seqlens, block_size=self.block_size,
                               top_k=self.top_k, local_blocks=self.local_blocks,
                               kl_coeff=self.kl_coeff, mode=self.mode,

@@ -111,6 +111,12 @@ def test_need_kl_false_trains_the_same(mode):
         assert torch.equal(g0[n], g1[n]), n
 
 
+@pytest.mark.parametrize("mode", ["warmup", "sparse", "dense"])
+def test_need_kl_false_beside_kl_value_out_is_an_error(mode):
+    with pytest.raises(RuntimeError, match="'kl_value_out'.*need_kl=False"):
+        make().set_mode(mode)(torch.randn(1, 20, 48), kl_value_out=torch.zeros(()), need_kl=False)
+
+
 def test_proxy_parameters_lists_exactly_the_proxy():
     m = make()
     ids = {id(p) for p in m.proxy_parameters()}
@@ -202,12 +208,15 @@ def test_packed_equals_separate(mode):
 
 
 @pytest.mark.parametrize("mode", ["warmup", "sparse"])
-@pytest.mark.parametrize("reentrant,kl_out", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("reentrant,kl_out", [(False, False), (True, False), (False, True),
+                                               (True, True)])
 def test_activation_checkpointing_gives_the_same_gradients(mode, reentrant, kl_out):
     """torch.utils.checkpoint drops the layer's activations and runs its forward again (the
     selection included) inside the backward. The CPU backend is deterministic, so the outputs,
     the KL value (returned, or written by the backward into kl_value_out) and every gradient
-    equal the plain run's bit for bit."""
+    equal the plain run's bit for bit. (Reentrant with kl_value_out: the first forward runs
+    without grad, so it forms the value too and returns it in kl_loss; the backward then writes
+    the buffer again, with the plain run's value.)"""
     x = torch.randn(2, 70, 48)
     runs = []
     for checkpointed in (False, True):
