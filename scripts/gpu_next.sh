@@ -29,8 +29,10 @@
 #                                     / 64k, gqa8 16k (not yet run with chunks on an H200) and fm16k, checked,
 #                                     then HEAD's benchmark in the time left (the next record). ~4-5 min.
 #                                     RULE_CONFIGS (gpu_ab.sh's CONFIGS) narrows the A/B for a short call.
-# Next (as of the sixtieth session: the dkp bulk reduce-adds landed (H100: m3/64k backward -0.5 ms), checked and
-# benchmarked on an H100 (bench/results/h100_93e77b3_record); no H200 has run since 5e0444f):
+# Next (as of the sixty-first session, which had no device: the dkp bulk reduce-adds landed in the sixtieth (H100:
+# m3/64k backward -0.5 ms), checked and benchmarked on an H100 (bench/results/h100_93e77b3_record); no H200 has run
+# since 5e0444f. The benchmark now also times the op's forward without its KL pass (flashmsa_fwd_no_kl_ms: what
+# msa_attention's need_kl=False saves, not yet measured on a GPU)):
 #   0. the record on an H200 with HEAD's bundle (bash scripts/build_gpu_bundle.sh; carry ["scratch-gpu"]), naming
 #      nvidia-h200 (a call may get an H100: the mode then exits at once): END_S=570 bash scripts/gpu_next.sh h200
 #      (timeout_s 590); then STAGES="sanitizer racecheck python main" and STAGES=racecheck_wgmma on the warm machine.
