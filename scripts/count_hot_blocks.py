@@ -9,7 +9,7 @@ import argparse
 
 import numpy as np
 
-from model_list_pieces import lists_from_proxy
+from model_list_pieces import lists_from_proxy, proxy_keys
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--seqlen", type=int, default=32768)
@@ -18,10 +18,7 @@ ap.add_argument("--top-k", type=int, default=16)
 ap.add_argument("--chunk", type=int, default=4096, help="tokens of the last chunk whose lists are counted")
 a = ap.parse_args()
 T = a.seqlen
-kp = np.random.default_rng(2).standard_normal((T, 128)).astype(np.float32)
-if a.sink_blocks:
-    kp[: 128 * a.sink_blocks, 0] += 12
-lists = lists_from_proxy(T, a.top_k, a.sink_blocks > 0, np.random.default_rng(1), kp)
+lists = lists_from_proxy(T, a.top_k, a.sink_blocks > 0, np.random.default_rng(1), proxy_keys(T, a.sink_blocks))
 NB = len(lists)
 frac = np.array([len(l) for l in lists]) / np.maximum(T - np.arange(NB) * 128, 1)
 last = sorted((int(np.count_nonzero(l >= T - a.chunk)) for l in lists), reverse=True)

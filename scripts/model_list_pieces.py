@@ -43,6 +43,14 @@ def lists_for_group(T, K, sink, rng):
     return [t_sorted[starts[g]:starts[g + 1]] for g in range(nb)]
 
 
+def proxy_keys(T, sink_blocks):
+    """The shared proxy keys (Hpk = 1) of flashmsa_run's inputs: N(0, 1), with --sink-blocks adding 12 to
+    the sink keys' kp[0]."""
+    kp = np.random.default_rng(2).standard_normal((T, 128)).astype(np.float32)
+    kp[: 128 * sink_blocks, 0] += 12
+    return kp
+
+
 def lists_from_proxy(T, K, sink, rng, kp):
     """Block lists of one proxy group selected as select_blocks does on flashmsa_run's inputs: N(0, 1) qp
     (this group's) and kp (shared: Hpk = 1), with --sink-blocks 1 adding 12 to every qp[0] and to the sink
@@ -135,9 +143,7 @@ def main():
     rng = np.random.default_rng(1)
     for sink in (False, True):
         if args.proxy_inputs:
-            kp = np.random.default_rng(2).standard_normal((T, 128)).astype(np.float32)
-            if sink:
-                kp[:128, 0] += 12
+            kp = proxy_keys(T, int(sink))
             lists = [lists_from_proxy(T, args.topk, sink, rng, kp) for _ in range(args.groups)]
         else:
             lists = [lists_for_group(T, args.topk, sink, rng) for _ in range(args.groups)]
